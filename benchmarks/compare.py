@@ -1,0 +1,431 @@
+"""Step-time and bit-equality comparison of OverlapDDP against stock DDP.
+
+Launch (the script spawns its own ranks; no torchrun needed):
+
+    python benchmarks/compare.py --model resnet18 --world-size 2 --steps 20 --repeats 5
+
+Other workloads: ``--model mlp`` (200 Linear layers of width 64, i.e. 400
+parameter tensors, which stresses per-tensor hook and bucketing overhead),
+``--model transformer`` (small causal LM), or any torchvision classification
+model name. ``--candidate ddp`` puts stock DDP on both sides: an A/A run that
+shows the harness's own noise and works before ``overlapddp`` is importable.
+
+Method: every rank builds two identical models from ``--seed``, one wrapped in
+DDP and one in the candidate, each with its own SGD optimizer. After
+``--warmup`` untimed steps for both, each repeat times ``--steps`` steps of one
+variant and then of the other, alternating which goes first so that slow
+drift (thermal, page cache, allocator growth) does not favour either side.
+A step's time is the slowest rank's time for it. Both variants see exactly the
+same data and dropout draws, so their parameters and buffers must end up
+bit-identical; that is checked with ``torch.equal`` and agreed on by all ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+# Make the checkout's ``overlapddp`` importable without installing it; spawned
+# ranks re-run this module, so they get the same path.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+NUM_CLASSES = 10
+MLP_DEPTH = 200
+MLP_WIDTH = 64
+LM_VOCAB = 1000
+LM_SEQ = 32
+LM_D_MODEL = 128
+LM_HEADS = 4
+LM_LAYERS = 2
+STORE_TIMEOUT = datetime.timedelta(minutes=5)
+# Auxiliary heads are not used by the loss; DDP rejects unused parameters
+# unless find_unused_parameters=True, which would change what is measured.
+TORCHVISION_KWARGS: dict[str, dict[str, bool]] = {
+    "googlenet": {"aux_logits": False},
+    "inception_v3": {"aux_logits": False},
+}
+
+
+class TinyLM(nn.Module):
+    """Causal transformer LM: one large embedding and head around many mid-sized tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(LM_VOCAB, LM_D_MODEL)
+        # Separate layer instances (not TransformerEncoder's deep copies) so
+        # that the layers start from different weights, as in a real model.
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(LM_D_MODEL, LM_HEADS, 4 * LM_D_MODEL, batch_first=True)
+            for _ in range(LM_LAYERS)
+        )
+        self.head = nn.Linear(LM_D_MODEL, LM_VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        # Built per call rather than registered as a buffer, because DDP would
+        # otherwise broadcast it every step.
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.size(1), device=tokens.device)
+        hidden = self.embed(tokens)
+        for layer in self.layers:
+            hidden = layer(hidden, src_mask=mask, is_causal=True)
+        return self.head(hidden)
+
+
+def build_model(name: str) -> nn.Module:
+    """Build the named workload's model (call under a fixed seed for identical copies)."""
+    if name == "mlp":
+        layers: list[nn.Module] = []
+        for _ in range(MLP_DEPTH - 1):
+            layers += [nn.Linear(MLP_WIDTH, MLP_WIDTH), nn.ReLU()]
+        layers.append(nn.Linear(MLP_WIDTH, NUM_CLASSES))
+        return nn.Sequential(*layers)
+    if name == "transformer":
+        return TinyLM()
+    return torchvision.models.get_model(
+        name, weights=None, num_classes=NUM_CLASSES, **TORCHVISION_KWARGS.get(name, {})
+    )
+
+
+def step_seed(seed: int, rank: int, step: int) -> int:
+    """One seed per (seed, rank, step), so both variants see the same data on a rank."""
+    return ((seed * 1_000_003 + rank) * 1_000_003 + step) % 2**63
+
+
+def make_batch(
+    args: argparse.Namespace, rank: int, step: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random inputs and targets for one step, independent of which variant asks."""
+    gen = torch.Generator().manual_seed(step_seed(args.seed, rank, step))
+    size = args.batch_size
+    if args.model == "mlp":
+        inputs = torch.randn(size, MLP_WIDTH, generator=gen)
+        targets = torch.randint(NUM_CLASSES, (size,), generator=gen)
+    elif args.model == "transformer":
+        tokens = torch.randint(LM_VOCAB, (size, LM_SEQ + 1), generator=gen)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    else:
+        inputs = torch.randn(size, 3, args.image_size, args.image_size, generator=gen)
+        targets = torch.randint(NUM_CLASSES, (size,), generator=gen)
+    return inputs.to(device), targets.to(device)
+
+
+def candidate_class(name: str) -> type[nn.Module]:
+    """The wrapper under test; ``ddp`` gives an A/A run of the harness."""
+    if name == "ddp":
+        return DistributedDataParallel
+    from overlapddp import OverlapDDP
+
+    return OverlapDDP
+
+
+@dataclass
+class Variant:
+    """One wrapped model with its optimizer, its own step counter and its timings."""
+
+    label: str
+    module: nn.Module  # the unwrapped model, compared for bit-equality
+    model: nn.Module  # the wrapped model that is trained
+    optimizer: torch.optim.Optimizer
+    next_step: int = 0
+    block_times: list[list[float]] = field(default_factory=list)  # seconds, per repeat
+    peak_cuda_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What every block needs to know about where it runs."""
+
+    args: argparse.Namespace
+    rank: int
+    device: torch.device
+
+
+def make_variant(ctx: RankContext, label: str, wrapper: type[nn.Module]) -> Variant:
+    """Build a fresh seeded model, wrap it and give it its own optimizer."""
+    torch.manual_seed(ctx.args.seed)
+    module = build_model(ctx.args.model).to(ctx.device)
+    kwargs: dict[str, object] = {}
+    if ctx.args.bucket_cap_mb is not None:
+        kwargs["bucket_cap_mb"] = ctx.args.bucket_cap_mb
+    if ctx.device.type == "cuda":
+        kwargs["device_ids"] = [ctx.device.index]
+    model = wrapper(module, **kwargs)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    return Variant(label, module, model, optimizer)
+
+
+def train_step(variant: Variant, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+    """Forward, cross-entropy, backward, optimizer step, zero_grad."""
+    output = variant.model(inputs)
+    loss = F.cross_entropy(output.flatten(0, -2), targets.flatten())
+    loss.backward()
+    variant.optimizer.step()
+    variant.optimizer.zero_grad()
+
+
+def slowest_rank(durations: list[float]) -> list[float]:
+    """Per-step maximum over ranks: a synchronous step is as slow as its slowest rank."""
+    times = torch.tensor(durations, dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return times.tolist()
+
+
+def run_block(ctx: RankContext, variant: Variant, steps: int) -> list[float]:
+    """Run ``steps`` steps after a barrier; return each step's slowest-rank seconds."""
+    dist.barrier()
+    durations = []
+    for _ in range(steps):
+        inputs, targets = make_batch(ctx.args, ctx.rank, variant.next_step, ctx.device)
+        # Reseed the global RNG so dropout-like layers draw the same for both variants.
+        torch.manual_seed(step_seed(ctx.args.seed, ctx.rank, variant.next_step))
+        start = time.perf_counter()
+        train_step(variant, inputs, targets)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        durations.append(time.perf_counter() - start)
+        variant.next_step += 1
+    return slowest_rank(durations)
+
+
+def run_timed_block(ctx: RankContext, variant: Variant) -> None:
+    """Time one repeat's block for a variant and track its CUDA peak memory."""
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    variant.block_times.append(run_block(ctx, variant, ctx.args.steps))
+    if ctx.device.type == "cuda":
+        variant.peak_cuda_bytes = max(
+            variant.peak_cuda_bytes, torch.cuda.max_memory_allocated(ctx.device)
+        )
+
+
+def mismatched_tensors(a: nn.Module, b: nn.Module) -> list[str]:
+    """Names of parameters and buffers that are not bit-identical (or not shared)."""
+    tensors_a = dict(a.named_parameters()) | dict(a.named_buffers())
+    tensors_b = dict(b.named_parameters()) | dict(b.named_buffers())
+    if tensors_a.keys() != tensors_b.keys():
+        return sorted(tensors_a.keys() ^ tensors_b.keys())
+    return [name for name, tensor in tensors_a.items() if not torch.equal(tensor, tensors_b[name])]
+
+
+def all_ranks_true(flag: bool) -> bool:
+    """MIN-reduce a flag so that every rank reports the same verdict."""
+    value = torch.tensor([int(flag)])
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
+
+
+def per_rank_max_rss_mib(world_size: int, rank: int) -> list[float]:
+    """Each rank's process peak RSS (covers both variants; not attributable to one)."""
+    rss = torch.zeros(world_size, dtype=torch.float64)
+    rss[rank] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    dist.all_reduce(rss)
+    return rss.tolist()
+
+
+def max_over_ranks(value: int) -> int:
+    """Largest value of an integer across ranks."""
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
+def median_ms(times: list[float]) -> float:
+    """Median of step times in seconds, as milliseconds."""
+    return statistics.median(times) * 1e3
+
+
+def log(message: str) -> None:
+    """Progress line on stderr, flushed so it interleaves sensibly with the ranks."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def summarize(reference: Variant, candidate: Variant, orders: list[str]) -> dict[str, object]:
+    """Per-variant medians over all timed steps and per-repeat candidate/reference ratios."""
+    ratios = [
+        statistics.median(cand) / statistics.median(ref)
+        for ref, cand in zip(reference.block_times, candidate.block_times)
+    ]
+    return {
+        "variants": {
+            v.label: {
+                "median_step_ms": median_ms([t for block in v.block_times for t in block]),
+                "repeat_median_ms": [median_ms(block) for block in v.block_times],
+                "step_ms": [[t * 1e3 for t in block] for block in v.block_times],
+            }
+            for v in (reference, candidate)
+        },
+        "ratio_per_repeat": ratios,
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "first_in_repeat": orders,
+    }
+
+
+def format_table(results: dict[str, object], reference: str, candidate: str) -> str:
+    """Fixed-width table: variant, median step ms, ratio median [min, max], bit_equal."""
+    variants = results["variants"]
+    ratio = (
+        f"{results['ratio_median']:.3f} [{results['ratio_min']:.3f}, {results['ratio_max']:.3f}]"
+    )
+    bit_equal = str(results["bit_equal"])
+    rows = [
+        ("variant", "median step ms", f"ratio vs {reference} median [min, max]", "bit_equal"),
+        (reference, f"{variants[reference]['median_step_ms']:.2f}", "1 (reference)", bit_equal),
+        (candidate, f"{variants[candidate]['median_step_ms']:.2f}", ratio, bit_equal),
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in rows]
+    memory = results["memory"]
+    if memory["kind"] == "cuda_max_memory_allocated_mib":
+        per_variant = ", ".join(f"{k} {v:.1f}" for k, v in memory["per_variant"].items())
+        lines.append(
+            f"peak CUDA memory allocated in timed blocks (max over ranks), MiB: {per_variant}"
+        )
+    else:
+        per_rank = ", ".join(f"{mib:.1f}" for mib in memory["per_rank"])
+        lines.append(
+            f"process peak RSS per rank, both variants together (not per variant), MiB: {per_rank}"
+        )
+    return "\n".join(lines)
+
+
+def rank_device(args: argparse.Namespace, rank: int) -> torch.device:
+    """CPU, or one CUDA device per rank (round-robin over visible devices)."""
+    if args.device == "cpu":
+        return torch.device("cpu")
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def benchmark(ctx: RankContext) -> dict[str, object]:
+    """Warm up, run the interleaved repeats and check bit-equality; results valid on rank 0."""
+    args = ctx.args
+    candidate_label = "overlapddp" if args.candidate == "overlapddp" else "ddp-again"
+    reference = make_variant(ctx, "ddp", DistributedDataParallel)
+    candidate = make_variant(ctx, candidate_label, candidate_class(args.candidate))
+    for variant in (reference, candidate):
+        run_block(ctx, variant, args.warmup)
+    orders = []
+    for repeat in range(args.repeats):
+        order = (reference, candidate) if repeat % 2 == 0 else (candidate, reference)
+        for variant in order:
+            run_timed_block(ctx, variant)
+        orders.append(order[0].label)
+        if ctx.rank == 0:
+            ref_ms = median_ms(reference.block_times[-1])
+            cand_ms = median_ms(candidate.block_times[-1])
+            log(
+                f"repeat {repeat + 1}/{args.repeats} ({order[0].label} first): "
+                f"ddp {ref_ms:.2f} ms, {candidate_label} {cand_ms:.2f} ms, "
+                f"ratio {cand_ms / ref_ms:.3f}"
+            )
+    mismatches = mismatched_tensors(reference.module, candidate.module)
+    results = summarize(reference, candidate, orders)
+    results["bit_equal"] = all_ranks_true(not mismatches)
+    results["rank0_mismatched_tensors"] = mismatches
+    if ctx.device.type == "cuda":
+        results["memory"] = {
+            "kind": "cuda_max_memory_allocated_mib",
+            "per_variant": {
+                v.label: max_over_ranks(v.peak_cuda_bytes) / 2**20 for v in (reference, candidate)
+            },
+        }
+    else:
+        results["memory"] = {
+            "kind": "process_max_rss_mib",
+            "per_rank": per_rank_max_rss_mib(args.world_size, ctx.rank),
+        }
+    results["labels"] = [reference.label, candidate.label]
+    return results
+
+
+def run_rank(rank: int, args: argparse.Namespace, store_port: int) -> None:
+    """Entry point of one spawned rank: join the group, benchmark, report on rank 0."""
+    torch.set_num_threads(1)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=STORE_TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=args.world_size)
+    try:
+        ctx = RankContext(args, rank, rank_device(args, rank))
+        results = benchmark(ctx)
+        if rank == 0:
+            report(args, results)
+    finally:
+        dist.destroy_process_group()
+
+
+def report(args: argparse.Namespace, results: dict[str, object]) -> None:
+    """Print the table and optionally write everything, with the configuration, as JSON."""
+    reference, candidate = results["labels"]
+    print(format_table(results, reference, candidate), flush=True)
+    if args.json:
+        payload = {"config": vars(args), "torch": torch.__version__, **results}
+        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options; defaults keep a resnet18 run short on a small CPU box."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", default="resnet18", help="torchvision model name, 'mlp' or 'transformer'"
+    )
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=8, help="per-rank batch size")
+    parser.add_argument("--image-size", type=int, default=64, help="input side for vision models")
+    parser.add_argument(
+        "--bucket-cap-mb", type=float, default=None, help="default: DDP's own default"
+    )
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant per repeat")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, metavar="PATH", help="write all results here")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--candidate",
+        choices=("overlapddp", "ddp"),
+        default="overlapddp",
+        help="wrapper compared against DDP; 'ddp' runs DDP against itself",
+    )
+    args = parser.parse_args(argv)
+    for name in ("world_size", "batch_size", "image_size", "steps", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.warmup < 0:
+        parser.error("--warmup must not be negative")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Check the candidate imports, start the rendezvous store and spawn the ranks."""
+    args = parse_args(argv)
+    try:
+        candidate_class(args.candidate)
+    except ImportError as error:
+        sys.exit(f"cannot import the candidate ({error}); use --candidate ddp for an A/A run")
+    # Port 0 lets the OS pick a free port; the parent hosts the store for the run.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=STORE_TIMEOUT)
+    mp.spawn(run_rank, args=(args, store.port), nprocs=args.world_size, join=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""How a bucket is reduced: a GradBucket-compatible object and the default sum all-reduce.
+
+``dist.GradBucket`` cannot be built from Python, so :class:`Bucket` offers the same methods and the
+stock hooks in ``torch.distributed.algorithms.ddp_comm_hooks`` run on it unmodified.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+CommHook = Callable[[Any, "Bucket"], Future]
+
+
+class Bucket:
+    """What a communication hook sees of one bucket, with ``dist.GradBucket``'s methods."""
+
+    def __init__(
+        self,
+        index: int,
+        buffer: torch.Tensor,
+        offsets: Sequence[int],
+        lengths: Sequence[int],
+        params: Sequence[torch.Tensor],
+        is_last: bool,
+    ) -> None:
+        self._index = index
+        self._buffer = buffer
+        self._offsets = offsets
+        self._lengths = lengths
+        self._params = params
+        self._is_last = is_last
+
+    def index(self) -> int:
+        """The bucket's index; 0 is the first bucket reduced."""
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        """The flat 1-D tensor to reduce (the reducer's own storage unless ``set_buffer`` replaced it)."""
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Contiguous per-parameter views into the buffer, in bucket order."""
+        return [
+            self._buffer.narrow(0, off, length).view(param.shape)
+            for off, length, param in zip(self._offsets, self._lengths, self._params)
+        ]
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The parameters whose gradients the buffer holds, in bucket order."""
+        return list(self._params)
+
+    def is_last(self) -> bool:
+        """True for the last bucket of the iteration (hooks count iterations with it)."""
+        return self._is_last
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        """Replace the tensor this object hands out; the reducer only uses the hook's future."""
+        self._buffer = tensor
+
+
+def allreduce_sum(process_group: dist.ProcessGroup, bucket: Bucket) -> Future:
+    """The default reduction: an in-place SUM all-reduce of the (already scaled) buffer."""
+    work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)
+    return work.get_future()
+
+
+def hook_result(value: object, hook_name: str, bucket_index: int, expected: torch.Tensor) -> torch.Tensor:
+    """The one tensor a hook's future must resolve to, checked against the bucket's size.
+
+    DDP accepts a tensor or a one-element list; anything else, or a tensor of another size, is an
+    error that names the hook and the bucket instead of a failed stride check later.
+    """
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"Communication hook {hook_name} returned a future whose value is {type(value).__name__} "
+            f"for bucket {bucket_index}; expected one tensor of {expected.numel()} elements."
+        )
+    if value.numel() != expected.numel() or not value.is_floating_point() and not value.is_complex():
+        raise ValueError(
+            f"Communication hook {hook_name} returned a {tuple(value.shape)} {value.dtype} tensor for "
+            f"bucket {bucket_index}; expected {expected.numel()} elements of a floating dtype "
+            f"(the bucket holds {expected.dtype})."
+        )
+    return value

@@ -1,0 +1,74 @@
+"""Making every rank start from, and keep, rank 0's model: shape checks and coalesced broadcasts."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
+
+
+def verify_same_parameters(
+    names: Sequence[str], params: Sequence[torch.Tensor], process_group: dist.ProcessGroup
+) -> None:
+    """Raise on every rank when any rank's parameters differ in count, name, shape, stride or dtype.
+
+    Stock DDP raises only on the mismatching rank and lets the others go on into a hang; here every
+    rank sees every rank's description, so every rank raises the same message.
+    """
+    mine = [(name, tuple(p.shape), tuple(p.stride()), str(p.dtype)) for name, p in zip(names, params)]
+    everyone: list[list[tuple] | None] = [None] * process_group.size()
+    dist.all_gather_object(everyone, mine, group=process_group)
+    reference = everyone[0]
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        if len(theirs) != len(reference):
+            raise RuntimeError(
+                f"OverlapDDP expects the same model on every rank, but rank {rank} has {len(theirs)} "
+                f"parameters that require grad while rank 0 has {len(reference)}. Build the same model "
+                "on every rank before wrapping it."
+            )
+        for index, (ours, other) in enumerate(zip(reference, theirs)):
+            if ours != other:
+                raise RuntimeError(
+                    f"OverlapDDP expects the same model on every rank, but parameter {index} differs: "
+                    f"rank 0 has {_describe(ours)}, rank {rank} has {_describe(other)}."
+                )
+
+
+def _describe(entry: tuple) -> str:
+    name, shape, stride, dtype = entry
+    return f"{name} with shape {list(shape)}, strides {list(stride)}, dtype {dtype}"
+
+
+def broadcast_coalesced(
+    tensors: Sequence[torch.Tensor], src: int, process_group: dist.ProcessGroup
+) -> None:
+    """Overwrite ``tensors`` with rank ``src``'s values, one broadcast per dtype/device chunk."""
+    global_src = dist.get_global_rank(process_group, src)
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    with torch.no_grad():
+        for members in groups.values():
+            for chunk in _chunks(members):
+                flat = torch.cat([t.reshape(-1) for t in chunk])
+                dist.broadcast(flat, src=global_src, group=process_group)
+                offset = 0
+                for tensor in chunk:
+                    tensor.copy_(flat.narrow(0, offset, tensor.numel()).view_as(tensor))
+                    offset += tensor.numel()
+
+
+def _chunks(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    chunks: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if chunks[-1] and size + nbytes > BROADCAST_BUCKET_BYTES:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(tensor)
+        size += nbytes
+    return chunks

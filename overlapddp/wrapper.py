@@ -1,0 +1,296 @@
+"""How ``nn.Module`` and autograd talk to the reducer: the ``OverlapDDP`` wrapper.
+
+It owns the constructor contract (DDP's arguments, names, order and defaults), the start-of-forward
+work (rebuild, buffer broadcast), one post-accumulate-grad hook per parameter and the one
+end-of-backward callback. Everything below it sees tensors only.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from overlapddp.bucket_plan import BucketCaps
+from overlapddp.comm_hook import CommHook
+from overlapddp.comm_hook_validation import builtin_hook, check_comm_hook
+from overlapddp.fence import fence_for
+from overlapddp.module_sync import broadcast_coalesced, verify_same_parameters
+from overlapddp.reducer import Reducer
+
+# Arguments this version rejects when set (to anything but None/False), with what to do instead.
+_NOT_YET = {
+    "find_unused_parameters": "make every parameter receive a gradient in each synchronized backward",
+    "gradient_as_bucket_view": "leave it False; gradients are copied out of the buckets",
+    "static_graph": "leave it False; the dynamic-graph path gives the same numbers",
+    "delay_all_reduce_named_params": "let all parameters be reduced in buckets",
+    "param_to_hook_all_reduce": "let all parameters be reduced in buckets",
+    "mixed_precision": "cast the model yourself, or register fp16_compress_hook",
+    "skip_all_reduce_unused_params": "it only applies with find_unused_parameters=True",
+}
+
+
+class OverlapDDP(nn.Module):
+    """Drop-in ``DistributedDataParallel``: the same arguments, the same numbers, explicit fences.
+
+    Example::
+
+        >>> model = OverlapDDP(net)            # instead of DistributedDataParallel(net)
+        >>> loss_fn(model(x), y).backward()    # buckets are reduced during backward
+        >>> optimizer.step()                   # every bucket is complete before backward returns
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: list[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        delay_all_reduce_named_params: list[tuple[str, nn.Parameter]] | None = None,
+        param_to_hook_all_reduce: nn.Parameter | None = None,
+        mixed_precision: Any | None = None,
+        device_mesh: Any | None = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: list[int] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
+    ) -> None:
+        super().__init__()
+        given = locals()
+        for name, instead in _NOT_YET.items():
+            if given[name] is not None and given[name] is not False:
+                raise NotImplementedError(
+                    f"OverlapDDP does not implement {name}={given[name]!r} yet; {instead}."
+                )
+        if check_reduction:
+            warnings.warn(
+                "The `check_reduction` argument is deprecated (as in DDP) and has no effect.",
+                FutureWarning,
+                stacklevel=2,
+            )
+        self.process_group = _resolve_group(process_group, device_mesh)
+        self.module = module
+        self.dim = dim
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        self.batched_grad_copy = batched_grad_copy
+        self.mixed_precision = mixed_precision
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+
+        named = [(n, p) for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
+        trainable = [(n, p) for n, p in named if p.requires_grad]
+        _check_parameters(named, trainable)
+        self.device = trainable[0][1].device
+        self.device_type = self.device.type
+        self.device_ids, self.output_device = _resolve_devices(device_ids, output_device, named)
+        self.forward_sync_buffers, init_sync_buffers = _resolve_buffer_sync(broadcast_buffers, forward_sync_buffers)
+        self.modules_buffers = [
+            b for n, b in module.named_buffers() if n not in self.parameters_to_ignore
+        ]
+        caps = BucketCaps.from_user(bucket_cap_mb, bucket_cap_mb_list)
+        self.bucket_bytes_cap = caps.bytes_cap
+
+        names = [n for n, _ in trainable]
+        params = [p for _, p in trainable]
+        if init_sync:
+            verify_same_parameters(names, params, self.process_group)
+            states = [p.detach() for _, p in named]
+            if init_sync_buffers:
+                states += self.modules_buffers
+            broadcast_coalesced(states, 0, self.process_group)
+
+        sparse = [False] * len(params)
+        for module_name, sub in module.named_modules():
+            if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
+                raise NotImplementedError(
+                    f"OverlapDDP does not reduce sparse gradients yet ({module_name} has sparse=True); "
+                    "use sparse=False."
+                )
+        self._reducer = Reducer(
+            params, names, self.process_group, fence_for(self.device), caps, sparse,
+            find_unused_parameters=find_unused_parameters, batched_grad_copy=batched_grad_copy,
+        )
+        self._hook_handles = _register_ready_hooks(self._reducer, params)
+        self._comm_hooks: list[tuple[Callable, object]] = []
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module; a synchronized forward arms the reduction of its backward."""
+        with torch.autograd.profiler.record_function("OverlapDDP.forward"):
+            grad_enabled = torch.is_grad_enabled()
+            if grad_enabled:
+                self._reducer.prepare_for_forward()
+            if self.will_sync_module_buffers():
+                broadcast_coalesced(self.modules_buffers, 0, self.process_group)
+            if self.device_ids:
+                inputs, kwargs = _move_to(torch.device(self.device_type, self.device_ids[0]), (inputs, kwargs))
+            output = self.module(*inputs, **kwargs)
+            if grad_enabled and self.require_backward_grad_sync:
+                self.require_forward_param_sync = True
+                self._reducer.prepare_for_backward()
+            else:
+                self.require_forward_param_sync = False
+            return output
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts buffers from rank 0 (DDP's rule, no_sync exceptions included)."""
+        return self.require_forward_param_sync and self.forward_sync_buffers and len(self.modules_buffers) > 0
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """Deprecated alias of ``forward_sync_buffers``, kept as in DDP."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally in forwards run inside this context; the next synchronized
+        backward reduces the sum. Assigning ``require_backward_grad_sync`` does the same."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    # -- communication hooks ------------------------------------------------------------------
+
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """Reduce each bucket with ``hook(state, bucket)``; the stock DDP hooks run unmodified."""
+        check_comm_hook(hook, self.process_group)
+        self._reducer.set_comm_hook(state, hook)
+        self._comm_hooks.append((hook, state))
+
+    def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
+        """DDP's built-in ALLREDUCE and FP16_COMPRESS hooks, with their arithmetic."""
+        hook = builtin_hook(comm_hook_type)
+        self._reducer.set_comm_hook(self.process_group, hook)
+        self._comm_hooks.append((hook, self.process_group))
+
+    @property
+    def _has_rebuilt_buckets(self) -> bool:
+        return self._reducer.has_rebuilt_buckets
+
+    def join(self, *args: Any, **kwargs: Any) -> Any:
+        """Uneven inputs are not supported yet: every rank must run the same number of iterations."""
+        raise NotImplementedError("OverlapDDP.join() is not implemented yet; give every rank the same number of batches.")
+
+
+def _resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any | None) -> dist.ProcessGroup:
+    if process_group is not None and device_mesh is not None:
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+    if device_mesh is not None:
+        if device_mesh.ndim != 1:
+            raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+        return device_mesh.get_group(mesh_dim=0)
+    if process_group is not None:
+        return process_group
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "OverlapDDP needs torch.distributed: call dist.init_process_group(...) first, or pass process_group."
+        )
+    return dist.group.WORLD
+
+
+def _check_parameters(named: list[tuple[str, torch.Tensor]], trainable: list[tuple[str, torch.Tensor]]) -> None:
+    lazy = [n for n, p in named if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise RuntimeError(
+            f"Modules with uninitialized parameters can't be used with OverlapDDP ({', '.join(lazy)}). "
+            "Run a dummy forward pass to initialize them first."
+        )
+    if not trainable:
+        raise RuntimeError(
+            "OverlapDDP is not needed when a module doesn't have any parameter that requires a gradient."
+        )
+    device_types = {p.device.type for _, p in named}
+    if len(device_types) != 1:
+        by_type = {t: [n for n, p in named if p.device.type == t][:3] for t in sorted(device_types)}
+        raise ValueError(
+            f"OverlapDDP's input module must be on one type of device, but its parameters are on {by_type}."
+        )
+
+
+def _resolve_devices(
+    device_ids: list[int | torch.device] | None,
+    output_device: int | torch.device | None,
+    named: list[tuple[str, torch.Tensor]],
+) -> tuple[list[int] | None, int | None]:
+    if device_ids is not None and len(device_ids) > 1:
+        raise ValueError("device_ids can only be None or contain a single element.")
+    devices = {p.device for _, p in named}
+    single_gpu = len(devices) == 1 and next(iter(devices)).type != "cpu"
+    if not device_ids or not single_gpu:
+        if device_ids or output_device is not None:
+            raise ValueError(
+                "device_ids and output_device only work with single-device GPU modules, but got "
+                f"device_ids {device_ids}, output_device {output_device}, and module parameters on {devices}."
+            )
+        return None, None
+    ids = [torch.device(d).index if not isinstance(d, int) else d for d in device_ids]
+    out = ids[0] if output_device is None else output_device
+    return ids, (torch.device(out).index if not isinstance(out, int) else out)
+
+
+def _resolve_buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> tuple[bool, bool]:
+    """(runtime buffer broadcast, buffer broadcast at construction), as DDP resolves them."""
+    if broadcast_buffers is not None:
+        warnings.warn(
+            "`broadcast_buffers` is deprecated (as in DDP); use `forward_sync_buffers`. "
+            + ("It is ignored because `forward_sync_buffers` is given." if forward_sync_buffers is not None else ""),
+            FutureWarning,
+            stacklevel=3,
+        )
+    if forward_sync_buffers is not None:
+        return forward_sync_buffers, True
+    effective = True if broadcast_buffers is None else broadcast_buffers
+    return effective, effective
+
+
+def _register_ready_hooks(reducer: Reducer, params: list[torch.Tensor]) -> list[Any]:
+    """One post-accumulate-grad hook per parameter; the last launch queues finalize once per backward.
+
+    The hooks hold the reducer weakly so that a discarded wrapper never reduces again.
+    """
+    reducer_ref = weakref.ref(reducer)
+
+    def make_hook(index: int) -> Callable[[torch.Tensor], None]:
+        def on_ready(_: torch.Tensor) -> None:
+            live = reducer_ref()
+            if live is not None and live.mark_ready(index):
+                torch.autograd.Variable._execution_engine.queue_callback(live.finalize)
+
+        return on_ready
+
+    return [p.register_post_accumulate_grad_hook(make_hook(i)) for i, p in enumerate(params)]
+
+
+def _move_to(device: torch.device, tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device, non_blocking=True)
+    if isinstance(tree, (list, tuple)):
+        moved = [_move_to(device, x) for x in tree]
+        return type(tree)(moved) if not hasattr(tree, "_fields") else type(tree)(*moved)
+    if isinstance(tree, dict):
+        return {k: _move_to(device, v) for k, v in tree.items()}
+    return tree

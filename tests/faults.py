@@ -1,0 +1,68 @@
+"""Deliberate bugs, injected in a rank process only, to prove that parity tests can fail.
+
+Each fault breaks one rule DDP's numbers depend on; a parity test that still passes with a fault
+on is not testing that rule.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+from overlapddp import bucket_storage, reducer
+
+
+def _skip_scaling() -> tuple[object, str, object]:
+    """Copy gradients into buckets without multiplying by 1/world_size (sum instead of mean)."""
+    original = bucket_storage.BucketStorage.copy_in
+
+    def copy_in(self, slot, grad, scale):
+        return original(self, slot, grad, None)
+
+    return bucket_storage.BucketStorage, "copy_in", copy_in
+
+
+def _true_division() -> tuple[object, str, object]:
+    """Divide by world_size instead of multiplying by its reciprocal (differs at world size 3)."""
+    original = bucket_storage.BucketStorage.copy_in
+
+    def copy_in(self, slot, grad, scale):
+        if scale is None or grad is None:
+            return original(self, slot, grad, scale)
+        self.views[slot].copy_(grad / round(1.0 / scale))
+
+    return bucket_storage.BucketStorage, "copy_in", copy_in
+
+
+def _swap_in_bucket() -> tuple[object, str, object]:
+    """After the rebuild, swap the first two parameters of the largest bucket."""
+    original = reducer.rebuilt_plan
+
+    def rebuilt_plan(*args, **kwargs):
+        plan = original(*args, **kwargs)
+        largest = max(range(len(plan.buckets)), key=lambda b: len(plan.buckets[b]))
+        members = list(plan.buckets[largest])
+        members[0], members[1] = members[1], members[0]
+        buckets = list(plan.buckets)
+        buckets[largest] = tuple(members)
+        return type(plan)(tuple(buckets), plan.size_limits)
+
+    return reducer, "rebuilt_plan", rebuilt_plan
+
+
+FAULTS = {"skip_scaling": _skip_scaling, "true_division": _true_division, "swap_in_bucket": _swap_in_bucket}
+
+
+@contextmanager
+def injected(name: str | None) -> Iterator[None]:
+    """Patch the named fault in for the duration of the block (no-op for ``None``)."""
+    if name is None:
+        yield
+        return
+    owner, attribute, replacement = FAULTS[name]()
+    original = getattr(owner, attribute)
+    setattr(owner, attribute, replacement)
+    try:
+        yield
+    finally:
+        setattr(owner, attribute, original)

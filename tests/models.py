@@ -1,0 +1,72 @@
+"""Small models and rank-dependent batches for parity tests; dropout is off so both copies see the same math."""
+
+from __future__ import annotations
+
+import torch
+import torchvision
+from torch import nn
+
+VOCAB = 50
+SEQ = 8
+
+
+class TinyLM(nn.Module):
+    """A small transformer LM: embedding, two encoder layers, a vocabulary head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.blocks = nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(32, nhead=2, dim_feedforward=64, dropout=0.0, batch_first=True),
+            num_layers=2,
+            enable_nested_tensor=False,
+        )
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(tokens)))
+
+
+def build(name: str) -> nn.Module:
+    """The model called ``name``, initialized from a fixed seed (identical on every call)."""
+    torch.manual_seed(0)
+    if name == "mlp":
+        return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    if name == "cnn_bn":
+        return nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
+        )
+    if name == "resnet18":
+        return torchvision.models.resnet18(num_classes=10)
+    if name == "transformer":
+        return TinyLM()
+    raise ValueError(f"unknown test model {name!r}")
+
+
+def batch(name: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets that differ per rank and per step, the same for every wrapper."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    if name == "mlp":
+        return torch.randn(8, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
+    if name == "cnn_bn":
+        return torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
+    if name == "resnet18":
+        return torch.randn(2, 3, 32, 32, generator=g), torch.randint(0, 10, (2,), generator=g)
+    if name == "transformer":
+        tokens = torch.randint(0, VOCAB, (4, SEQ + 1), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]
+    raise ValueError(f"unknown test model {name!r}")
+
+
+def loss_of(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+
+def optimizer(name: str, params) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-3)
+    raise ValueError(f"unknown optimizer {name!r}")
