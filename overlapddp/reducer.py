@@ -193,6 +193,7 @@ class Reducer:
             members = self.plan.buckets[index]
             self._storages[index] = BucketStorage(index, [self.params[i] for i in members])
         self._require_finalize = False
+        self._ready_order = []
         self._reset_iteration()
         self.state = ReducerState.IDLE
 

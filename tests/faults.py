@@ -9,7 +9,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-from overlapddp import bucket_storage, reducer
+from overlapddp import bucket_storage, reducer, wrapper
 
 
 def _skip_scaling() -> tuple[object, str, object]:
@@ -35,14 +35,14 @@ def _true_division() -> tuple[object, str, object]:
 
 
 def _swap_in_bucket() -> tuple[object, str, object]:
-    """After the rebuild, swap the first two parameters of the largest bucket."""
+    """After the rebuild, swap the first and last parameters of the bucket with most members."""
     original = reducer.rebuilt_plan
 
     def rebuilt_plan(*args, **kwargs):
         plan = original(*args, **kwargs)
         largest = max(range(len(plan.buckets)), key=lambda b: len(plan.buckets[b]))
         members = list(plan.buckets[largest])
-        members[0], members[1] = members[1], members[0]
+        members[0], members[-1] = members[-1], members[0]
         buckets = list(plan.buckets)
         buckets[largest] = tuple(members)
         return type(plan)(tuple(buckets), plan.size_limits)
@@ -50,7 +50,22 @@ def _swap_in_bucket() -> tuple[object, str, object]:
     return reducer, "rebuilt_plan", rebuilt_plan
 
 
-FAULTS = {"skip_scaling": _skip_scaling, "true_division": _true_division, "swap_in_bucket": _swap_in_bucket}
+def _ignore_no_sync() -> tuple[object, str, object]:
+    """Make ``no_sync()`` do nothing, so every micro-step is reduced and broadcasts buffers."""
+
+    @contextmanager
+    def no_sync(self):
+        yield
+
+    return wrapper.OverlapDDP, "no_sync", no_sync
+
+
+FAULTS = {
+    "skip_scaling": _skip_scaling,
+    "true_division": _true_division,
+    "swap_in_bucket": _swap_in_bucket,
+    "ignore_no_sync": _ignore_no_sync,
+}
 
 
 @contextmanager

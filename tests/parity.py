@@ -7,8 +7,9 @@ bucket layouts are compared index by index.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -24,12 +25,18 @@ class Scenario:
     bucket_cap_mb: float | None = None
     steps: int = 5
     fault: str | None = None
+    # Micro-steps per optimizer step; all but the last skip the reduction, through ``no_sync()`` or
+    # by assigning ``require_backward_grad_sync`` (as nanoGPT does).
+    accumulate: int = 1
+    skip_sync_by: str = "no_sync"
     ddp_kwargs: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
 
     @property
     def name(self) -> str:
         cap = "default" if self.bucket_cap_mb is None else f"cap{self.bucket_cap_mb}"
         extra = "".join(f"-{k}={v}" for k, v in self.ddp_kwargs)
+        if self.accumulate > 1:
+            extra += f"-accumulate{self.accumulate}-{self.skip_sync_by}"
         return f"{self.model}-{self.optimizer}-{cap}{extra}" + (f"-FAULT:{self.fault}" if self.fault else "")
 
 
@@ -56,6 +63,20 @@ def first_difference(a: torch.nn.Module, b: torch.nn.Module) -> str | None:
     return None
 
 
+@contextmanager
+def skipping_sync(wrapper: torch.nn.Module, how: str, skip: bool) -> Iterator[None]:
+    """Run one micro-step without gradient reduction when ``skip``, the way a user would."""
+    if not skip:
+        yield
+    elif how == "no_sync":
+        with wrapper.no_sync():
+            yield
+    else:
+        wrapper.require_backward_grad_sync = False
+        yield
+        wrapper.require_backward_grad_sync = True
+
+
 def run_scenarios(rank: int, world_size: int, scenarios: list[Scenario]) -> list[Outcome]:
     return [run_scenario(rank, s) for s in scenarios]
 
@@ -69,9 +90,11 @@ def run_scenario(rank: int, scenario: Scenario) -> Outcome:
         cand_opt = models.optimizer(scenario.optimizer, candidate.parameters())
         outcome = Outcome([], [], None, [])
         for step in range(scenario.steps):
-            inputs, target = models.batch(scenario.model, rank, step)
             for wrapper, opt in ((reference, ref_opt), (candidate, cand_opt)):
-                models.loss_of(wrapper(inputs), target).backward()
+                for micro in range(scenario.accumulate):
+                    inputs, target = models.batch(scenario.model, rank, step * scenario.accumulate + micro)
+                    with skipping_sync(wrapper, scenario.skip_sync_by, micro < scenario.accumulate - 1):
+                        models.loss_of(wrapper(inputs), target).backward()
                 opt.step()
                 opt.zero_grad()
             layout = ddp_layout(reference)

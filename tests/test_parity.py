@@ -1,0 +1,87 @@
+"""Bit-equality with stock DDP: every parameter and buffer, every step, world sizes 2, 3 and 4.
+
+World size 2 hides layout and arithmetic mistakes (a sum of two numbers does not depend on order),
+so 3 and 4 are the sizes that matter; the fault tests below prove these comparisons can fail.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from tests.multiprocess import run_ranks
+from tests.parity import Outcome, Scenario, run_scenarios
+
+SCENARIOS = [
+    Scenario(model, opt, cap)
+    for model in ("mlp", "cnn_bn", "transformer")
+    for opt in ("sgd", "adam")
+    for cap in (None, 0.001)  # DDP's default caps; ~1 KiB caps (a bucket per parameter or two)
+] + [
+    Scenario("resnet18", "sgd", None),
+    Scenario("resnet18", "adam", 1),
+    Scenario("cnn_bn", "sgd", 0.001, accumulate=3),
+    Scenario("transformer", "adam", None, accumulate=2, skip_sync_by="assign"),
+]
+
+WORLD_SIZES = (2, 3, 4)
+
+
+@functools.cache
+def outcomes(world_size: int) -> dict[Scenario, list[Outcome]]:
+    """Run every scenario once per world size (one process group), keyed for the tests below."""
+    per_rank = run_ranks(world_size, run_scenarios, SCENARIOS)
+    return {s: [rank[i] for rank in per_rank] for i, s in enumerate(SCENARIOS)}
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+def test_parameters_and_buffers_equal_ddp_after_every_step(world_size, scenario):
+    for rank, outcome in enumerate(outcomes(world_size)[scenario]):
+        assert len(outcome.equal) == scenario.steps
+        assert all(outcome.equal), f"rank {rank}: first difference at {outcome.first_difference}"
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+def test_bucket_layout_equals_ddp_at_every_step(world_size, scenario):
+    outcome = outcomes(world_size)[scenario][0]
+    assert all(outcome.layouts_equal), f"layouts per step: {outcome.ddp_layouts}"
+
+
+def test_layouts_cover_one_bucket_first_then_the_rebuild():
+    """The scenarios really exercise the one-bucket first step and a many-bucket rebuild."""
+    result = outcomes(3)
+    assert [len(b) for b in result[Scenario("resnet18", "sgd", None)][0].ddp_layouts] == [1, 3, 3, 3, 3]
+    assert all(len(b) >= 10 for b in result[Scenario("transformer", "adam", 0.001)][0].ddp_layouts[1:])
+
+
+FAULT_SCENARIOS = [
+    Scenario("mlp", "sgd", None, fault="skip_scaling"),
+    Scenario("cnn_bn", "adam", None, fault="skip_scaling"),
+    Scenario("mlp", "sgd", None, fault="true_division"),
+    Scenario("transformer", "sgd", 0.001, fault="true_division"),
+    Scenario("mlp", "sgd", None, fault="swap_in_bucket"),
+    Scenario("transformer", "sgd", None, fault="swap_in_bucket"),
+    Scenario("resnet18", "sgd", None, fault="swap_in_bucket"),
+    Scenario("cnn_bn", "sgd", 0.001, accumulate=3, fault="ignore_no_sync"),
+]
+
+
+@functools.cache
+def fault_outcomes() -> dict[Scenario, Outcome]:
+    per_rank = run_ranks(3, run_scenarios, FAULT_SCENARIOS)
+    return dict(zip(FAULT_SCENARIOS, per_rank[0]))
+
+
+@pytest.mark.parametrize("scenario", FAULT_SCENARIOS, ids=lambda s: s.name)
+def test_parity_check_catches_injected_fault_in_the_values(scenario):
+    """Each deliberate bug makes the parameter comparison itself fail (not only the layout check)."""
+    outcome = fault_outcomes()[scenario]
+    assert not all(outcome.equal), f"{scenario.fault} went unnoticed by the value comparison"
+
+
+def test_layout_check_catches_a_swap_inside_a_bucket():
+    outcome = fault_outcomes()[Scenario("mlp", "sgd", None, fault="swap_in_bucket")]
+    assert outcome.layouts_equal[0] and not any(outcome.layouts_equal[1:])

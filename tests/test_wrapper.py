@@ -1,0 +1,174 @@
+"""The wrapper's contract with a DDP user: signature, state_dict, forward, buffers, errors."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from overlapddp import OverlapDDP
+from tests import models
+from tests.multiprocess import run_ranks
+
+
+def test_constructor_signature_matches_ddp_names_order_and_defaults():
+    ours = inspect.signature(OverlapDDP.__init__).parameters
+    theirs = inspect.signature(DistributedDataParallel.__init__).parameters
+    assert list(ours) == list(theirs)
+    assert [p.default for p in ours.values()] == [p.default for p in theirs.values()]
+
+
+@pytest.mark.parametrize(
+    "argument, value",
+    [
+        ("find_unused_parameters", True),
+        ("gradient_as_bucket_view", True),
+        ("static_graph", True),
+        ("mixed_precision", object()),
+        ("skip_all_reduce_unused_params", True),
+    ],
+)
+def test_unimplemented_argument_raises_not_implemented_naming_it(argument, value):
+    with pytest.raises(NotImplementedError, match=argument):
+        OverlapDDP(nn.Linear(2, 2), **{argument: value})
+
+
+def _contract_checks(rank: int, world_size: int) -> dict[str, object]:
+    """Run on every rank; returns named facts for the tests to assert on."""
+    facts: dict[str, object] = {}
+
+    # Init sync: rank-dependent initial values become rank 0's, parameters and buffers alike.
+    torch.manual_seed(rank)
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    net[1].running_mean.fill_(float(rank))
+    wrapped = OverlapDDP(net)
+    gathered = [torch.empty(4) for _ in range(world_size)]
+    torch.distributed.all_gather(gathered, net[0].bias.detach().clone())
+    facts["params_synced"] = all(torch.equal(gathered[0], g) for g in gathered)
+    facts["buffer_after_init"] = net[1].running_mean[0].item()
+
+    torch.manual_seed(rank)
+    kept = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    kept[1].running_mean.fill_(float(rank))
+    with pytest.warns(FutureWarning, match="broadcast_buffers"):
+        OverlapDDP(kept, broadcast_buffers=False)
+    facts["buffer_kept_without_broadcast"] = kept[1].running_mean[0].item()
+
+    # state_dict: the same keys as DDP, and checkpoints load both ways.
+    ddp = DistributedDataParallel(models.build("cnn_bn"))
+    ours = OverlapDDP(models.build("cnn_bn"))
+    facts["same_keys"] = list(ddp.state_dict()) == list(ours.state_dict())
+    facts["all_prefixed"] = all(k.startswith("module.") for k in ours.state_dict())
+    with torch.no_grad():
+        for p in ddp.parameters():
+            p.add_(1.0)
+    ours.load_state_dict(ddp.state_dict())
+    facts["ddp_checkpoint_loads"] = all(torch.equal(a, b) for a, b in zip(ddp.state_dict().values(), ours.state_dict().values()))
+    ddp2 = DistributedDataParallel(models.build("cnn_bn"))
+    ddp2.load_state_dict(ours.state_dict())
+    facts["ours_loads_into_ddp"] = all(torch.equal(a, b) for a, b in zip(ddp2.state_dict().values(), ours.state_dict().values()))
+
+    # forward returns what the module returns; train/eval reach the module and return the wrapper.
+    x, _ = models.batch("cnn_bn", rank, 0)
+    facts["eval_returns_self"] = ours.eval() is ours and not ours.module.training
+    with torch.no_grad():
+        facts["forward_unchanged"] = torch.equal(ours(x), ours.module(x))
+    facts["train_returns_self"] = ours.train() is ours and ours.module.training
+    dict_out = OverlapDDP(_DictOut())(torch.ones(2, 3))
+    facts["dict_output_kept"] = isinstance(dict_out, dict) and set(dict_out) == {"y", "aux"}
+    return facts
+
+
+class _DictOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return {"y": self.lin(x), "aux": [x.sum()]}
+
+
+@functools.cache
+def contract_facts() -> list[dict[str, object]]:
+    return run_ranks(3, _contract_checks)
+
+
+def test_init_sync_broadcasts_rank0_parameters_and_buffers():
+    for rank, facts in enumerate(contract_facts()):
+        assert facts["params_synced"], rank
+        assert facts["buffer_after_init"] == 0.0, rank
+
+
+def test_broadcast_buffers_false_keeps_local_buffers_at_init():
+    assert [f["buffer_kept_without_broadcast"] for f in contract_facts()] == [0.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    "fact", ["same_keys", "all_prefixed", "ddp_checkpoint_loads", "ours_loads_into_ddp"]
+)
+def test_state_dict_is_interchangeable_with_ddp(fact):
+    assert all(f[fact] for f in contract_facts())
+
+
+@pytest.mark.parametrize("fact", ["eval_returns_self", "forward_unchanged", "train_returns_self", "dict_output_kept"])
+def test_module_behaviour_is_passed_through(fact):
+    assert all(f[fact] for f in contract_facts())
+
+
+class _TwoBranch(nn.Module):
+    """Uses ``idle`` only when asked: the classic unused-parameter bug."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(3, 3)
+        self.idle = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, only_used: bool) -> torch.Tensor:
+        return self.used(x) if only_used else self.idle(self.used(x))
+
+
+def _unused_parameter(rank: int, world_size: int) -> dict[str, object]:
+    wrapped = OverlapDDP(_TwoBranch())
+    x = torch.ones(2, 3)
+    wrapped(x, only_used=True).sum().backward()
+    facts: dict[str, object] = {"grad_left_local": wrapped.module.used.weight.grad is not None}
+    try:
+        wrapped(x, only_used=True)
+        facts["message"] = "no error"
+    except RuntimeError as error:
+        facts["message"] = str(error)
+    # Usable again after the error: a full iteration reduces every gradient.
+    wrapped(x, only_used=False).sum().backward()
+    grads = [torch.empty(3, 3) for _ in range(world_size)]
+    torch.distributed.all_gather(grads, wrapped.module.idle.weight.grad)
+    facts["recovered"] = all(torch.equal(grads[0], g) for g in grads)
+    return facts
+
+
+def test_unused_parameter_error_names_the_parameters_and_rank_and_recovers():
+    for rank, facts in enumerate(run_ranks(2, _unused_parameter)):
+        message = facts["message"]
+        assert "Expected to have finished reduction in the prior iteration" in message
+        assert "idle.weight" in message and "idle.bias" in message and "used.weight" not in message
+        assert f"for rank {rank}" in message
+        assert "find_unused_parameters=True" in message
+        assert facts["recovered"]
+
+
+def _mismatched_shapes(rank: int, world_size: int) -> str:
+    net = nn.Sequential(nn.Linear(4, 4 + (rank == 1)))
+    try:
+        OverlapDDP(net)
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_mismatched_parameter_shapes_raise_on_every_rank_naming_parameter_and_rank():
+    for message in run_ranks(3, _mismatched_shapes):
+        assert "parameter 0 differs" in message and "0.weight" in message
+        assert "rank 1 has 0.weight with shape [5, 4]" in message
