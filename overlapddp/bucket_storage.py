@@ -60,32 +60,42 @@ class BucketStorage:
         self.buffer = torch.empty(total, dtype=first.dtype, device=first.device)
         self.views = [strided_view(self.buffer, p, off) for p, off in zip(params, self.offsets)]
 
-    def copy_in(self, slot: int, grad: torch.Tensor | None, scale: float | None) -> None:
-        """Write one parameter's local gradient into its slot, scaled by ``scale`` when given."""
-        view = self.views[slot]
-        if grad is None:
-            view.zero_()
-        elif scale is None:
-            view.copy_(grad)
-        elif grad.requires_grad:
-            view.copy_(grad * scale)
-        else:
-            torch.mul(grad, scale, out=view)
+    def copy_in(
+        self, grads: Sequence[torch.Tensor | None], multiply_by: float | None, divide_by: int | None
+    ) -> None:
+        """Copy every local gradient into the buffer (zeros for ``None``), then scale the whole buffer.
+
+        One batched copy and one flat multiply give the same bits as DDP's per-parameter
+        ``mul_out(view, grad, 1/ws)``: each element is one float multiply by the same scalar.
+        ``divide_by`` is DDP's true division (``batched_grad_copy``), which rounds differently.
+        """
+        present = [(view, grad) for view, grad in zip(self.views, grads) if grad is not None]
+        with torch.no_grad():
+            if len(present) < len(self.views):
+                self.buffer.zero_()
+            if present:
+                torch._foreach_copy_([v for v, _ in present], [g for _, g in present])
+            if multiply_by is not None:
+                self.buffer.mul_(multiply_by)
+            if divide_by is not None:
+                self.buffer.div_(divide_by)
 
     def copy_out(self, result: torch.Tensor) -> None:
         """Write the reduced flat ``result`` into every parameter's ``.grad``."""
-        for param, offset in zip(self.params, self.offsets):
-            reduced = strided_view(result, param, offset)
-            if param.grad is None:
-                param.grad = _clone_like_param(reduced, param)
-            else:
-                param.grad.copy_(reduced)
+        if result is self.buffer:
+            reduced_views = self.views
+        else:
+            reduced_views = [strided_view(result, p, off) for p, off in zip(self.params, self.offsets)]
+        with torch.no_grad():
+            for param, reduced in zip(self.params, reduced_views):
+                if param.grad is None:
+                    param.grad = _empty_like_param(param)
+            grads = [p.grad for p in self.params]
+            torch._foreach_copy_(grads, reduced_views)
 
 
-def _clone_like_param(values: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+def _empty_like_param(param: torch.Tensor) -> torch.Tensor:
     """A new gradient tensor with the parameter's strides when it is dense (the gradient layout contract)."""
     if _is_dense_permutation(param):
-        fresh = torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device=param.device)
-    else:
-        fresh = torch.empty(param.shape, dtype=param.dtype, device=param.device)
-    return fresh.copy_(values)
+        return torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device=param.device)
+    return torch.empty(param.shape, dtype=param.dtype, device=param.device)

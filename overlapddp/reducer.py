@@ -56,6 +56,7 @@ class Reducer:
         self._comm_hook: tuple[Any, CommHook] | None = None
         self.state = ReducerState.IDLE
         # DDP rebuilds once, from rank 0's gradient-ready order, unless it searches unused parameters.
+        self._scale: float | None = None  # set per backward by prepare_for_backward
         self._rebuild_pending = not find_unused_parameters
         self._ready_order: list[int] = []
         # True from the first mark_ready of a backward until finalize: an unfinished reduction.
@@ -68,7 +69,8 @@ class Reducer:
 
     def _install_plan(self, plan: BucketPlan) -> None:
         self.plan = plan
-        self._locate = plan.locate()
+        located = plan.locate()
+        self._locate = [located[i][0] for i in range(len(self.params))]
         self._storages = [
             BucketStorage(b, [self.params[i] for i in members]) for b, members in enumerate(plan.buckets)
         ]
@@ -106,6 +108,9 @@ class Reducer:
         """A synchronized forward ran: the next backward's gradients are to be reduced."""
         self._ensure_prior_reduction_finished()
         self._reset_iteration()
+        # Scale while copying, as DDP's default path does; a hook or batched copy divides later.
+        no_scaling = self._comm_hook is not None or self._batched_grad_copy
+        self._scale = None if no_scaling else 1.0 / self._world_size()
         self.state = ReducerState.BACKWARD
 
     def mark_ready(self, index: int) -> bool:
@@ -126,22 +131,26 @@ class Reducer:
         self._require_finalize = True
         if self._rebuild_pending:
             self._ready_order.append(index)
-        bucket, slot = self._locate[index]
-        scale = None if self._comm_hook is not None or self._batched_grad_copy else 1.0 / self._world_size()
-        self._storages[bucket].copy_in(slot, self.params[index].grad, scale)
+        bucket = self._locate[index]
         self._pending[bucket] -= 1
+        if self._pending[bucket] == 0:
+            self._fill(bucket)
         while self._next_launch < len(self._storages) and self._pending[self._next_launch] == 0:
             self._launch(self._next_launch)
             self._next_launch += 1
         return self._next_launch == len(self._storages)
+
+    def _fill(self, index: int) -> None:
+        """Copy a complete bucket's gradients in, scaled as DDP scales them (batched, once per bucket)."""
+        storage = self._storages[index]
+        divide_by = self._world_size() if self._batched_grad_copy and self._comm_hook is None else None
+        storage.copy_in([p.grad for p in storage.params], self._scale, divide_by)
 
     def _world_size(self) -> int:
         return self.process_group.size()
 
     def _launch(self, index: int) -> None:
         storage = self._storages[index]
-        if self._batched_grad_copy and self._comm_hook is None:
-            storage.buffer.div_(self._world_size())
         bucket = Bucket(
             index, storage.buffer, storage.offsets, storage.lengths, storage.params,
             is_last=index == len(self._storages) - 1,

@@ -16,8 +16,8 @@ def _skip_scaling() -> tuple[object, str, object]:
     """Copy gradients into buckets without multiplying by 1/world_size (sum instead of mean)."""
     original = bucket_storage.BucketStorage.copy_in
 
-    def copy_in(self, slot, grad, scale):
-        return original(self, slot, grad, None)
+    def copy_in(self, grads, multiply_by, divide_by):
+        return original(self, grads, None, divide_by)
 
     return bucket_storage.BucketStorage, "copy_in", copy_in
 
@@ -26,10 +26,10 @@ def _true_division() -> tuple[object, str, object]:
     """Divide by world_size instead of multiplying by its reciprocal (differs at world size 3)."""
     original = bucket_storage.BucketStorage.copy_in
 
-    def copy_in(self, slot, grad, scale):
-        if scale is None or grad is None:
-            return original(self, slot, grad, scale)
-        self.views[slot].copy_(grad / round(1.0 / scale))
+    def copy_in(self, grads, multiply_by, divide_by):
+        if multiply_by is None:
+            return original(self, grads, multiply_by, divide_by)
+        return original(self, grads, None, round(1.0 / multiply_by))
 
     return bucket_storage.BucketStorage, "copy_in", copy_in
 
