@@ -1,23 +1,79 @@
 """Who waits for what: one fence per reducer owns every happens-before edge of every bucket.
 
-Edges, per bucket, in the order they must happen:
+Edges, per bucket and iteration, in the order they must happen:
 
-1. *produced*: the last gradient was copied into the bucket (on the producer stream).
+1. *produced*: the bucket's buffer holds every local gradient (written on the producer stream).
 2. *launched*: the collective started, ordered after 1 (on CUDA the communication stream waits on
-   the producer's event).
-3. *complete*: the collective's result is final and visible to the consumer (CPU: the work
-   handle's future was waited; CUDA: the consumer stream waits on an event recorded after it).
+   an event the producer recorded).
+3. *completed*: the collective's result is final and visible to the consumer (CPU: its future was
+   waited; CUDA: the consumer stream waits on an event recorded after the collective).
+4. *consumed*: a reader used the result (the copy into ``param.grad``, then the optimizer).
 
-Nothing may read the bucket or write ``param.grad`` from it before edge 3; :meth:`Fence.complete`
-is the only way to get the reduced tensor, so that rule is structural.
+:meth:`Fence.complete` is the only way to obtain a bucket's reduced tensor, so "no read before
+completion" holds by construction. A :class:`FenceLog` (a debug option) records every edge so tests
+can check the order without a GPU.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from torch.futures import Future
+
+EDGE_ORDER = ("produced", "launched", "completed", "consumed")
+
+
+@dataclass(frozen=True)
+class FenceEdge:
+    """One recorded edge: which bucket, which edge, who acted, on which stream, through which event."""
+
+    iteration: int
+    bucket: int
+    edge: str
+    actor: str
+    stream: str
+    event: str | None
+    buffer: int
+    time: float
+
+
+@dataclass
+class FenceLog:
+    """Every edge a fence records, in the order they happened, with the invariants they must obey."""
+
+    edges: list[FenceEdge] = field(default_factory=list)
+
+    def violations(self) -> list[str]:
+        """Broken happens-before rules, each described; an empty list means every edge held.
+
+        Per bucket and iteration: produced, launched, completed, consumed, in that order, each once;
+        and no buffer is produced into again while a collective on it has not completed.
+        """
+        problems: list[str] = []
+        seen: dict[tuple[int, int], list[str]] = {}
+        busy: dict[int, tuple[int, int]] = {}  # buffer -> (iteration, bucket) of an uncompleted launch
+        for e in self.edges:
+            history = seen.setdefault((e.iteration, e.bucket), [])
+            expected = EDGE_ORDER[len(history)] if len(history) < len(EDGE_ORDER) else None
+            if e.edge != expected and not (e.edge == "consumed" and history[-1:] == ["consumed"]):
+                problems.append(
+                    f"iteration {e.iteration} bucket {e.bucket}: '{e.edge}' by {e.actor} after {history or 'nothing'}"
+                )
+            history.append(e.edge)
+            if e.edge == "produced" and e.buffer in busy:
+                it, b = busy[e.buffer]
+                problems.append(
+                    f"iteration {e.iteration} bucket {e.bucket}: buffer reused while the collective of "
+                    f"iteration {it} bucket {b} on it had not completed"
+                )
+            if e.edge == "launched":
+                busy[e.buffer] = (e.iteration, e.bucket)
+            if e.edge == "completed":
+                busy.pop(e.buffer, None)
+        return problems
 
 
 class Fence:
@@ -27,22 +83,52 @@ class Fence:
         # Future of each launched bucket's collective. Produced by ``launch`` (the autograd hook
         # thread), waited on by ``complete`` (the end-of-backward callback); cleared when consumed.
         self._in_flight: dict[int, Future] = {}
+        # Buffer each bucket's collective reads and writes, for the log; set by ``produced``.
+        self._buffers: dict[int, torch.Tensor] = {}
+        self.log: FenceLog | None = None
+        self.iteration = 0
 
-    def produced(self, bucket: int) -> None:
-        """Edge 1: nothing to record on CPU, where the copy-in has already happened on this thread."""
+    def _record(self, bucket: int, edge: str, actor: str, event: str | None = None) -> None:
+        if self.log is not None:
+            buffer = self._buffers.get(bucket)
+            self.log.edges.append(
+                FenceEdge(
+                    self.iteration, bucket, edge, actor, self._stream_name(), event,
+                    0 if buffer is None else buffer.data_ptr(), time.perf_counter(),
+                )
+            )
+
+    def _stream_name(self) -> str:
+        return "cpu"
+
+    def produced(self, bucket: int, buffer: torch.Tensor) -> None:
+        """Edge 1: the producer has written ``buffer``; on CPU that already happened on this thread."""
+        self._buffers[bucket] = buffer
+        self._record(bucket, "produced", "autograd hook")
 
     def launch(self, bucket: int, start: Callable[[], Future]) -> None:
         """Edge 2: start the collective after everything the producer did."""
         if bucket in self._in_flight:
             raise RuntimeError(f"Bucket {bucket} was launched twice without being completed in between.")
         self._in_flight[bucket] = start()
+        self._record(bucket, "launched", "collective")
 
     def complete(self, bucket: int) -> object:
         """Edge 3: block until the collective is final, then hand over its value."""
         future = self._in_flight.pop(bucket, None)
         if future is None:
             raise RuntimeError(f"Bucket {bucket} was asked for its result but was never launched.")
-        return future.wait()
+        value = future.wait()
+        self._record(bucket, "completed", "finalize")
+        return value
+
+    def consumed(self, bucket: int, consumer: str) -> None:
+        """Edge 4: a reader used the completed result (logged only; completion already ordered it)."""
+        self._record(bucket, "consumed", consumer)
+
+    def end_iteration(self) -> None:
+        """Every bucket of this iteration was completed and consumed."""
+        self.iteration += 1
 
     def in_flight(self) -> list[int]:
         """Buckets whose collective was launched and not yet completed."""
@@ -52,6 +138,7 @@ class Fence:
         """Forget every in-flight collective (after an error); returns the buckets it dropped."""
         dropped = self.in_flight()
         self._in_flight.clear()
+        self.iteration += 1
         return dropped
 
 
@@ -64,17 +151,21 @@ class CudaFence(Fence):
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
-        # Stream the collectives are issued on; waits on each bucket's ``_produced`` event and is
-        # waited on by the consumer through each bucket's completion event.
+        # Stream the collectives are issued on; it waits on each bucket's ``_produced`` event and
+        # the consumer waits on it through each bucket's completion event.
         self._comm_stream = torch.cuda.Stream(device=device)
-        # Event recorded on the producer (autograd) stream after a bucket's last copy-in;
-        # the communication stream waits on it in ``launch``. Freed there.
+        # Event recorded on the producer (autograd) stream after a bucket's copy-in; the
+        # communication stream waits on it in ``launch``, which then drops it.
         self._produced: dict[int, torch.cuda.Event] = {}
 
-    def produced(self, bucket: int) -> None:
+    def _stream_name(self) -> str:
+        return f"cuda stream {torch.cuda.current_stream(self._comm_stream.device).stream_id}"
+
+    def produced(self, bucket: int, buffer: torch.Tensor) -> None:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self._comm_stream.device))
         self._produced[bucket] = event
+        super().produced(bucket, buffer)
 
     def launch(self, bucket: int, start: Callable[[], Future]) -> None:
         event = self._produced.pop(bucket, None)
@@ -83,6 +174,9 @@ class CudaFence(Fence):
         with torch.cuda.stream(self._comm_stream):
             self._comm_stream.wait_event(event)
             super().launch(bucket, start)
+            # The buffer is used on the communication stream: keep its memory from being reused
+            # by the caching allocator before that stream's work on it is done.
+            self._buffers[bucket].record_stream(self._comm_stream)
 
     def complete(self, bucket: int) -> object:
         with torch.cuda.stream(self._comm_stream):

@@ -86,6 +86,21 @@ class Reducer:
         """True once the ready-order rebuild has happened (or will never happen)."""
         return not self._rebuild_pending
 
+    @property
+    def fence(self) -> Fence:
+        """The fence that orders every bucket's collective before its readers."""
+        return self._fence
+
+    def replace_fence(self, fence: Fence) -> Fence:
+        """Swap in another fence (race-forcing tools wrap the real one); only between iterations."""
+        if self.state is not ReducerState.IDLE or self._fence.in_flight():
+            raise RuntimeError(
+                f"The fence can only be replaced between iterations; the reducer is {self.state.value} "
+                f"with buckets {self._fence.in_flight()} in flight."
+            )
+        previous, self._fence = self._fence, fence
+        return previous
+
     def set_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Reduce every bucket with ``hook(state, bucket)`` instead of the scaled sum."""
         if self._comm_hook is not None:
@@ -155,7 +170,7 @@ class Reducer:
             index, storage.buffer, storage.offsets, storage.lengths, storage.params,
             is_last=index == len(self._storages) - 1,
         )
-        self._fence.produced(index)
+        self._fence.produced(index, storage.buffer)
         if self._comm_hook is None:
             self._fence.launch(index, lambda: allreduce_sum(self.process_group, bucket))
         else:
@@ -170,9 +185,11 @@ class Reducer:
             for index, storage in enumerate(self._storages):
                 value = self._fence.complete(index)
                 storage.copy_out(hook_result(value, hook_name, index, storage.buffer))
+                self._fence.consumed(index, "copy to param.grad")
         except BaseException:
             self._abandon()
             raise
+        self._fence.end_iteration()
         self._require_finalize = False
         self.state = ReducerState.IDLE
 
