@@ -1,0 +1,187 @@
+"""Race forcing: tools that make a missing fence fail every time instead of once a week.
+
+A training loop that reads a gradient before its collective completes is wrong only when the
+collective is slow, so races hide in local tests. These tools force the slow case:
+
+- :func:`delay_communication` delays one rank's collectives, before launch or before completion;
+- :class:`SynchronousReference` trains the obvious way (backward, reduce every gradient and wait,
+  then step), the baseline to compare with;
+- :func:`unfenced` removes the fence (test-only!) so a race test can be shown to fail.
+
+Example::
+
+    >>> with delay_communication(model, rank=1, seconds=0.05):
+    ...     loss_fn(model(x), y).backward(); opt.step()      # must equal the reference, bit for bit
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.futures import Future
+
+from overlapddp.fence import Fence, FenceLog
+from overlapddp.module_sync import broadcast_coalesced
+from overlapddp.wrapper import OverlapDDP
+
+STAGES = ("launch", "completion")
+
+
+class DelayedFence(Fence):
+    """Wraps a fence and delays its collectives by ``seconds``, at one stage.
+
+    ``launch``: the collective starts late, so the other ranks' collectives wait for it.
+    ``completion``: the collective's future resolves late, so its readers must wait longer.
+    """
+
+    def __init__(self, inner: Fence, seconds: float, stage: str) -> None:
+        if stage not in STAGES:
+            raise ValueError(f"stage must be one of {STAGES}, got {stage!r}.")
+        if seconds < 0:
+            raise ValueError(f"seconds must not be negative, got {seconds}.")
+        self.inner = inner
+        self.seconds = seconds
+        self.stage = stage
+
+    @property  # type: ignore[override]
+    def log(self) -> FenceLog | None:
+        return self.inner.log
+
+    @log.setter
+    def log(self, value: FenceLog | None) -> None:
+        self.inner.log = value
+
+    def produced(self, bucket: int, buffer: torch.Tensor) -> None:
+        self.inner.produced(bucket, buffer)
+
+    def launch(self, bucket: int, start: Callable[[], Future]) -> None:
+        if self.stage == "launch":
+            time.sleep(self.seconds)
+            self.inner.launch(bucket, start)
+        else:
+            self.inner.launch(bucket, lambda: _resolve_late(start(), self.seconds))
+
+    def complete(self, bucket: int) -> object:
+        return self.inner.complete(bucket)
+
+    def consumed(self, bucket: int, consumer: str) -> None:
+        self.inner.consumed(bucket, consumer)
+
+    def end_iteration(self) -> None:
+        self.inner.end_iteration()
+
+    def in_flight(self) -> list[int]:
+        return self.inner.in_flight()
+
+    def abandon(self) -> list[int]:
+        return self.inner.abandon()
+
+
+def _resolve_late(future: Future, seconds: float) -> Future:
+    def late(done: Future) -> Any:
+        time.sleep(seconds)
+        return done.value()
+
+    return future.then(late)
+
+
+class UnfencedFence(Fence):
+    """TEST-ONLY: hands out a bucket's buffer without waiting for its collective.
+
+    This is the bug the project exists to prevent; it is here so race tests can prove they fail
+    without the fence. Collectives it never waited on are waited by :meth:`drain`.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._unwaited: list[Future] = []
+
+    def complete(self, bucket: int) -> object:
+        future = self._in_flight.pop(bucket)
+        self._unwaited.append(future)
+        return self._buffers[bucket]
+
+    def drain(self) -> None:
+        """Wait for every collective the unfenced reads skipped, so the process group can shut down."""
+        for future in self._unwaited:
+            future.wait()
+        self._unwaited.clear()
+
+
+def _rank_of(model: OverlapDDP) -> int:
+    return dist.get_rank(model.process_group)
+
+
+@contextmanager
+def delay_communication(model: OverlapDDP, rank: int, seconds: float, stage: str = "launch") -> Iterator[None]:
+    """Delay rank ``rank``'s collectives by ``seconds`` at ``stage`` while the block runs (other ranks run normally)."""
+    if _rank_of(model) != rank:
+        DelayedFence(Fence(), seconds, stage)  # validates the arguments on every rank alike
+        yield
+        return
+    reducer = model._reducer
+    original = reducer.fence
+    reducer.replace_fence(DelayedFence(original, seconds, stage))
+    try:
+        yield
+    finally:
+        reducer.replace_fence(original)
+
+
+@contextmanager
+def unfenced(model: OverlapDDP) -> Iterator[UnfencedFence]:
+    """TEST-ONLY: run the block with the fence removed; gradients may be read mid-collective."""
+    reducer = model._reducer
+    original = reducer.fence
+    unsafe = UnfencedFence()
+    unsafe.log = original.log
+    reducer.replace_fence(unsafe)
+    try:
+        yield unsafe
+    finally:
+        unsafe.drain()
+        reducer.replace_fence(original)
+
+
+def record_fences(model: OverlapDDP) -> FenceLog:
+    """Start recording every fence edge of ``model`` (a debug option); returns the growing log."""
+    log = FenceLog()
+    model._reducer.fence.log = log
+    return log
+
+
+class SynchronousReference(nn.Module):
+    """Data parallelism without overlap: buffers from rank 0 before forward, then after backward
+    every gradient is scaled by 1/world_size, summed in one all-reduce and waited on, before any step.
+
+    Its arithmetic is DDP's (multiply by the reciprocal, then sum). At world size 2 a sum does not
+    depend on the buffer layout, so it is bit-equal to DDP there; at larger sizes the layout changes
+    the rounding and only OverlapDDP (which reproduces DDP's layout) is bit-equal to DDP.
+    """
+
+    def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.module = module
+        self.process_group = process_group or dist.group.WORLD
+        broadcast_coalesced([p.detach() for p in module.parameters()] + list(module.buffers()), 0, self.process_group)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            broadcast_coalesced(list(self.module.buffers()), 0, self.process_group)
+        return self.module(*inputs, **kwargs)
+
+    def reduce_gradients(self) -> None:
+        """Average every gradient across ranks and wait for the result."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        scale = 1.0 / self.process_group.size()
+        flat = torch.cat([torch.mul(p.grad, scale).reshape(-1) for p in params])
+        dist.all_reduce(flat, group=self.process_group)
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat.narrow(0, offset, p.numel()).view_as(p.grad))
+            offset += p.numel()

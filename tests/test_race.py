@@ -1,0 +1,102 @@
+"""Race forcing: delayed communication must not change a single bit; without the fence it must.
+
+Two ranks see deliberately different data, so a gradient read before its all-reduce completes is
+the local gradient, not the average, and the next weights differ. One rank's communication is
+delayed so that the collective is still in flight when an unfenced reader would look.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from overlapddp import OverlapDDP
+from overlapddp.testing import SynchronousReference, delay_communication, record_fences, unfenced
+from tests import models
+from tests.multiprocess import run_ranks
+
+REPETITIONS = 20
+STEPS = 3
+DELAY_S = 0.03
+
+
+def _train(wrapper: nn.Module, opt: torch.optim.Optimizer, rank: int, step: int, sync: SynchronousReference | None = None) -> None:
+    inputs, target = models.batch("mlp", rank, step)
+    models.loss_of(wrapper(inputs), target).backward()
+    if sync is not None:
+        sync.reduce_gradients()
+    opt.step()
+    opt.zero_grad(set_to_none=False)  # reuse the same gradient tensors every step
+
+
+def _equal(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def _one_repetition(rank: int, mode: str, stage: str, cap: float | None) -> dict[str, object]:
+    """Three steps of DDP, the synchronous reference and OverlapDDP with rank 1 delayed."""
+    ddp = DistributedDataParallel(models.build("mlp"), bucket_cap_mb=cap)
+    reference = SynchronousReference(models.build("mlp"))
+    ours = OverlapDDP(models.build("mlp"), bucket_cap_mb=cap)
+    log = record_fences(ours)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, reference, ours)]
+    matches: list[bool] = []
+    with delay_communication(ours, rank=1, seconds=DELAY_S, stage=stage):
+        if mode == "unfenced":
+            unsafe = unfenced(ours)
+            unsafe.__enter__()
+        try:
+            for step in range(STEPS):
+                _train(ddp, optimizers[0], rank, step)
+                _train(reference, optimizers[1], rank, step, sync=reference)
+                _train(ours, optimizers[2], rank, step)
+                matches.append(_equal(ddp, reference) and _equal(reference.module, ours.module))
+        finally:
+            if mode == "unfenced":
+                unsafe.__exit__(None, None, None)
+    return {"matches": matches, "violations": log.violations(), "edges": len(log.edges)}
+
+
+def _repetitions(rank: int, world_size: int, mode: str, stage: str, cap: float | None) -> list[dict[str, object]]:
+    return [_one_repetition(rank, mode, stage, cap) for _ in range(REPETITIONS)]
+
+
+@functools.cache
+def outcomes(mode: str, stage: str, cap: float | None) -> list[dict[str, object]]:
+    """Rank 0's view of every repetition (ranks agree on parameters; rank 0 is never delayed)."""
+    return run_ranks(2, _repetitions, mode, stage, cap)[0]
+
+
+CASES = [("launch", None), ("launch", 0.001), ("completion", 0.001)]
+
+
+@pytest.mark.parametrize("stage, cap", CASES)
+def test_fenced_training_matches_ddp_and_synchronous_reference_every_step_every_repetition(stage, cap):
+    results = outcomes("fenced", stage, cap)
+    passed = sum(all(r["matches"]) and len(r["matches"]) == STEPS for r in results)
+    assert passed == REPETITIONS, f"{passed}/{REPETITIONS} repetitions matched"
+
+
+@pytest.mark.parametrize("stage, cap", CASES)
+def test_fence_log_shows_every_edge_in_order(stage, cap):
+    for r in outcomes("fenced", stage, cap):
+        assert r["violations"] == []
+        assert r["edges"] >= 4 * STEPS  # produced, launched, completed, consumed per bucket per step
+
+
+@pytest.mark.parametrize("stage, cap", [("launch", None), ("launch", 0.001)])
+def test_race_test_fails_without_the_fence(stage, cap):
+    """The same test on the test-only unfenced mode fails in at least 19 of 20 repetitions."""
+    results = outcomes("unfenced", stage, cap)
+    failed = sum(not all(r["matches"]) for r in results)
+    assert failed >= REPETITIONS - 1, f"only {failed}/{REPETITIONS} unfenced repetitions failed"
+
+
+def test_unfenced_run_shows_reads_before_completion_and_buffer_reuse_in_the_log():
+    violations = [v for r in outcomes("unfenced", "launch", None) for v in r["violations"]]
+    assert any("'consumed'" in v and "launched" in v for v in violations)
+    assert any("buffer reused while the collective" in v for v in violations)
