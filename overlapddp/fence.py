@@ -130,6 +130,9 @@ class Fence:
         """Every bucket of this iteration was completed and consumed."""
         self.iteration += 1
 
+    def make_visible(self, strict: bool) -> None:
+        """Order the caller after every completed reduction; on CPU completion already did."""
+
     def in_flight(self) -> list[int]:
         """Buckets whose collective was launched and not yet completed."""
         return sorted(self._in_flight)
@@ -157,6 +160,11 @@ class CudaFence(Fence):
         # Event recorded on the producer (autograd) stream after a bucket's copy-in; the
         # communication stream waits on it in ``launch``, which then drops it.
         self._produced: dict[int, torch.cuda.Event] = {}
+        # Event recorded on the communication stream after each bucket's collective, and the stream
+        # that consumed it in ``complete``; another stream (an optimizer on a side stream) waits on
+        # them in ``make_visible``. Replaced every iteration.
+        self._completed: dict[int, torch.cuda.Event] = {}
+        self._consumer: torch.cuda.Stream | None = None
 
     def _stream_name(self) -> str:
         return f"cuda stream {torch.cuda.current_stream(self._comm_stream.device).stream_id}"
@@ -183,8 +191,23 @@ class CudaFence(Fence):
             value = super().complete(bucket)
             done = torch.cuda.Event()
             done.record(self._comm_stream)
-        torch.cuda.current_stream(self._comm_stream.device).wait_event(done)
+        self._consumer = torch.cuda.current_stream(self._comm_stream.device)
+        self._consumer.wait_event(done)
+        self._completed[bucket] = done
         return value
+
+    def make_visible(self, strict: bool) -> None:
+        current = torch.cuda.current_stream(self._comm_stream.device)
+        if self._consumer is None or current == self._consumer:
+            return
+        if strict:
+            raise RuntimeError(
+                f"The optimizer runs on CUDA stream {current.stream_id}, but the reduced gradients were made "
+                f"visible to stream {self._consumer.stream_id} only; make it wait on that stream, or attach the "
+                "optimizer with strict=False to let the guard insert the wait."
+            )
+        for event in self._completed.values():
+            current.wait_event(event)
 
     def abandon(self) -> list[int]:
         self._produced.clear()

@@ -75,6 +75,9 @@ class DelayedFence(Fence):
     def end_iteration(self) -> None:
         self.inner.end_iteration()
 
+    def make_visible(self, strict: bool) -> None:
+        self.inner.make_visible(strict)
+
     def in_flight(self) -> list[int]:
         return self.inner.in_flight()
 
@@ -146,13 +149,6 @@ def unfenced(model: OverlapDDP) -> Iterator[UnfencedFence]:
     finally:
         unsafe.drain()
         reducer.replace_fence(original)
-
-
-def record_fences(model: OverlapDDP) -> FenceLog:
-    """Start recording every fence edge of ``model`` (a debug option); returns the growing log."""
-    log = FenceLog()
-    model._reducer.fence.log = log
-    return log
 
 
 class SynchronousReference(nn.Module):

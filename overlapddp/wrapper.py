@@ -19,8 +19,9 @@ from torch import nn
 from overlapddp.bucket_plan import BucketCaps
 from overlapddp.comm_hook import CommHook
 from overlapddp.comm_hook_validation import builtin_hook, check_comm_hook
-from overlapddp.fence import fence_for
+from overlapddp.fence import FenceLog, fence_for
 from overlapddp.module_sync import broadcast_coalesced, verify_same_parameters
+from overlapddp.optimizer_guard import OptimizerGuard
 from overlapddp.reducer import Reducer
 
 # Arguments this version rejects when set (to anything but None/False), with what to do instead.
@@ -186,6 +187,35 @@ class OverlapDDP(nn.Module):
         hook = builtin_hook(comm_hook_type)
         self._reducer.set_comm_hook(self.process_group, hook)
         self._comm_hooks.append((hook, self.process_group))
+
+    # -- the optimizer and the fences ----------------------------------------------------------
+
+    def attach_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        overlap: bool = False,
+        strict: bool = False,
+        allow_unsynced: bool = False,
+    ) -> OptimizerGuard:
+        """Guard ``optimizer``: its ``step()`` and ``zero_grad()`` only touch complete, reduced, fresh gradients.
+
+        Example::
+
+            >>> guard = model.attach_optimizer(optimizer)
+            >>> loss.backward(); optimizer.step()       # raises if a gradient is stale or in flight
+        """
+        if overlap:
+            raise NotImplementedError(
+                "attach_optimizer(overlap=True) is not implemented yet; the guarded step runs after backward."
+            )
+        return OptimizerGuard(self._reducer, optimizer, strict=strict, allow_unsynced=allow_unsynced)
+
+    def record_fences(self) -> FenceLog:
+        """Start recording every fence edge (a debug option); ``log.violations()`` checks their order."""
+        log = FenceLog()
+        self._reducer.fence.log = log
+        return log
 
     @property
     def _has_rebuilt_buckets(self) -> bool:

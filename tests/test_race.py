@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
-from overlapddp.testing import SynchronousReference, delay_communication, record_fences, unfenced
+from overlapddp.testing import SynchronousReference, delay_communication, unfenced
 from tests import models
 from tests.multiprocess import run_ranks
 
@@ -42,7 +42,7 @@ def _one_repetition(rank: int, mode: str, stage: str, cap: float | None) -> dict
     ddp = DistributedDataParallel(models.build("mlp"), bucket_cap_mb=cap)
     reference = SynchronousReference(models.build("mlp"))
     ours = OverlapDDP(models.build("mlp"), bucket_cap_mb=cap)
-    log = record_fences(ours)
+    log = ours.record_fences()
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, reference, ours)]
     matches: list[bool] = []
     with delay_communication(ours, rank=1, seconds=DELAY_S, stage=stage):

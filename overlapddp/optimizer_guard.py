@@ -1,0 +1,83 @@
+"""The optimizer-step guard: ``step()`` only ever reads complete, reduced, fresh gradients.
+
+Attached with ``OverlapDDP.attach_optimizer(optimizer)``. Before ``step()`` reads a gradient it
+checks the reducer: no bucket of the current backward may still be reducing, the gradients must
+come from a synchronized backward (not only ``no_sync`` ones), and they must be new since the last
+step. On CUDA it also makes the stream that runs ``step()`` wait for the reductions, so a step on
+another stream than backward still reads final values.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from overlapddp.reducer import Reducer
+
+
+class OptimizerGuard:
+    """Checks one optimizer's reads of the gradients of one OverlapDDP.
+
+    ``strict`` raises where the lenient mode can wait (a step on another CUDA stream than the
+    reduction's consumer); ``allow_unsynced`` permits steps on local gradients (e.g. local SGD).
+    """
+
+    def __init__(self, reducer: Reducer, optimizer: torch.optim.Optimizer, strict: bool, allow_unsynced: bool) -> None:
+        self._reducer = reducer
+        self.optimizer = optimizer
+        self.strict = strict
+        self.allow_unsynced = allow_unsynced
+        self._stepped_at = 0  # reducer.reductions when the last step ran
+        self._handles = [
+            optimizer.register_step_pre_hook(self._before_step),
+            optimizer.register_step_post_hook(self._after_step),
+        ]
+        self._unguarded_zero_grad = optimizer.zero_grad
+        optimizer.zero_grad = self._zero_grad  # type: ignore[method-assign]
+
+    def detach(self) -> None:
+        """Remove the guard from the optimizer."""
+        for handle in self._handles:
+            handle.remove()
+        self.optimizer.zero_grad = self._unguarded_zero_grad  # type: ignore[method-assign]
+
+    def check(self, action: str) -> None:
+        """Raise unless ``action`` may read the gradients now."""
+        busy = self._reducer.in_flight()
+        if busy:
+            raise RuntimeError(
+                f"{action} was called while buckets {busy} of the current backward are still being reduced "
+                f"on rank {self._reducer.rank}; their gradients are not final until loss.backward() returns. "
+                "Call it after backward (or use attach_optimizer(..., overlap=True) to overlap the step)."
+            )
+        if self.allow_unsynced:
+            return
+        if self._reducer.local_gradients_since_reduction:
+            raise RuntimeError(
+                f"{action} would read gradients accumulated under no_sync() on rank {self._reducer.rank} that "
+                "were never reduced across ranks. Run the last micro-batch's forward and backward outside "
+                "no_sync(), or attach the optimizer with allow_unsynced=True if local steps are intended."
+            )
+        if self._reducer.reductions == self._stepped_at:
+            raise RuntimeError(
+                f"{action} would read stale gradients on rank {self._reducer.rank}: "
+                + ("no synchronized backward has run yet." if self._stepped_at == 0 else
+                   "they were already used by the previous step and no synchronized backward ran since.")
+            )
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.check("optimizer.step()")
+        self._reducer.fence.make_visible(strict=self.strict)
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._stepped_at = self._reducer.reductions
+
+    def _zero_grad(self, *args: Any, **kwargs: Any) -> Any:
+        busy = self._reducer.in_flight()
+        if busy:
+            raise RuntimeError(
+                f"optimizer.zero_grad() was called while buckets {busy} are still being reduced on rank "
+                f"{self._reducer.rank}; the reduction would write into or read from cleared gradients."
+            )
+        return self._unguarded_zero_grad(*args, **kwargs)
