@@ -6,6 +6,7 @@ stock hooks in ``torch.distributed.algorithms.ddp_comm_hooks`` run on it unmodif
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Sequence
 
 import torch
@@ -66,6 +67,36 @@ def allreduce_sum(process_group: dist.ProcessGroup, bucket: Bucket) -> Future:
     """The default reduction: an in-place SUM all-reduce of the (already scaled) buffer."""
     work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)
     return work.get_future()
+
+
+def run_hook(hook: CommHook, state: Any, bucket: Bucket, after: Future | None) -> Future:
+    """Start ``hook(state, bucket)`` once ``after``, the previous bucket's hook future, is done.
+
+    [Note: one hook chain at a time]
+    PowerSGD and the quantization hooks issue their later collectives from ``.then`` callbacks,
+    which run whenever the previous collective finishes. With two buckets' chains in flight, rank 0
+    may issue bucket 1's all-reduce before bucket 0's second one while rank 1 does the opposite:
+    gloo pairs collectives by issue order, so the sums mix buffers or abort (stock DDP does this
+    with more than one bucket). Waiting for the previous chain to finish before starting the next
+    makes the issue order the bucket order on every rank. The wait is on the host only (no stream
+    is synchronized) and swallows the previous bucket's error, which finalize reports for that
+    bucket. The default reduction (one collective, no callbacks) does not come here.
+    """
+    if after is not None:
+        done = threading.Event()
+        after.add_done_callback(lambda _: done.set())
+        done.wait()
+    future = hook(state, bucket)
+    if not isinstance(future, torch._C.Future):  # collectives' futures are the C type, not Future
+        failed: Future = Future()
+        failed.set_exception(
+            TypeError(
+                f"Communication hook {getattr(hook, '__qualname__', hook)!r} returned "
+                f"{type(future).__name__} for bucket {bucket.index()}; it must return a torch.futures.Future."
+            )
+        )
+        return failed
+    return future
 
 
 def hook_result(value: object, hook_name: str, bucket_index: int, expected: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from overlapddp.bucket_plan import BucketCaps, BucketPlan, initial_plan, rebuilt_plan
 from overlapddp.bucket_storage import BucketStorage
-from overlapddp.comm_hook import Bucket, CommHook, allreduce_sum, hook_result
+from overlapddp.comm_hook import Bucket, CommHook, allreduce_sum, hook_result, run_hook
 from overlapddp.fence import Fence
 
 
@@ -57,6 +57,10 @@ class Reducer:
         self.state = ReducerState.IDLE
         # DDP rebuilds once, from rank 0's gradient-ready order, unless it searches unused parameters.
         self._scale: float | None = None  # set per backward by prepare_for_backward
+        # Read by the optimizer guard: completed reductions so far, and whether a backward outside
+        # synchronization (no_sync) has accumulated local gradients since the last one.
+        self.reductions = 0
+        self.local_gradients_since_reduction = False
         self._rebuild_pending = not find_unused_parameters
         self._ready_order: list[int] = []
         # True from the first mark_ready of a backward until finalize: an unfinished reduction.
@@ -85,6 +89,12 @@ class Reducer:
     def has_rebuilt_buckets(self) -> bool:
         """True once the ready-order rebuild has happened (or will never happen)."""
         return not self._rebuild_pending
+
+    def in_flight(self) -> list[int]:
+        """Buckets with gradients already taken in this backward that finalize has not written back."""
+        if self.state is ReducerState.IDLE:
+            return []
+        return [b for b, members in enumerate(self.plan.buckets) if self._pending[b] < len(members)]
 
     @property
     def fence(self) -> Fence:
@@ -134,6 +144,7 @@ class Reducer:
         The caller then queues :meth:`finalize` to run at the end of this backward.
         """
         if self.state is not ReducerState.BACKWARD:
+            self.local_gradients_since_reduction = True
             return False
         if self._marked[index]:
             raise RuntimeError(
@@ -175,7 +186,16 @@ class Reducer:
             self._fence.launch(index, lambda: allreduce_sum(self.process_group, bucket))
         else:
             state, hook = self._comm_hook
-            self._fence.launch(index, lambda: hook(state, bucket))
+            # Hook chains run one bucket at a time, see [Note: one hook chain at a time] in
+            # comm_hook.py: bucket b's hook starts once bucket b-1's future (stored here by the
+            # previous launch of this iteration; finalize consumes it through the fence) is done.
+            after = self._hook_future if index > 0 else None
+
+            def start() -> torch.futures.Future:
+                self._hook_future = run_hook(hook, state, bucket, after)
+                return self._hook_future
+
+            self._fence.launch(index, start)
 
     def finalize(self) -> None:
         """Complete every bucket in order and write the reduced values into ``param.grad``."""
@@ -190,6 +210,8 @@ class Reducer:
             self._abandon()
             raise
         self._fence.end_iteration()
+        self.reductions += 1
+        self.local_gradients_since_reduction = False
         self._require_finalize = False
         self.state = ReducerState.IDLE
 
