@@ -60,38 +60,79 @@ class BucketStorage:
         self.buffer = torch.empty(total, dtype=first.dtype, device=first.device)
         self.views = [strided_view(self.buffer, p, off) for p, off in zip(params, self.offsets)]
 
+    def aliases(self, slot: int, grad: torch.Tensor | None) -> bool:
+        """Whether ``grad`` already is this slot's view (``gradient_as_bucket_view`` after a sync)."""
+        view = self.views[slot]
+        return (
+            grad is not None
+            and grad.data_ptr() == view.data_ptr()
+            and grad.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr()
+        )
+
     def copy_in(
-        self, grads: Sequence[torch.Tensor | None], multiply_by: float | None, divide_by: int | None
+        self,
+        grads: Sequence[torch.Tensor | None],
+        multiply_by: float | None,
+        divide_by: int | None,
+        alias_divide_by: int | None = None,
     ) -> None:
-        """Copy every local gradient into the buffer (zeros for ``None``), then scale the whole buffer.
+        """Copy every local gradient into the buffer (zeros for ``None``), then scale it.
 
         One batched copy and one flat multiply give the same bits as DDP's per-parameter
         ``mul_out(view, grad, 1/ws)``: each element is one float multiply by the same scalar.
-        ``divide_by`` is DDP's true division (``batched_grad_copy``), which rounds differently.
+        ``divide_by`` is DDP's true division of the whole buffer (``batched_grad_copy``).
+        Gradients that already are their slot's view (``gradient_as_bucket_view``) are not copied;
+        DDP divides those in place by ``alias_divide_by`` instead of multiplying.
         """
-        present = [(view, grad) for view, grad in zip(self.views, grads) if grad is not None]
+        aliased = [self.aliases(slot, grad) for slot, grad in enumerate(grads)]
+        copied = [(view, grad) for view, grad, alias in zip(self.views, grads, aliased) if grad is not None and not alias]
         with torch.no_grad():
-            if len(present) < len(self.views):
-                self.buffer.zero_()
-            if present:
-                torch._foreach_copy_([v for v, _ in present], [g for _, g in present])
-            if multiply_by is not None:
-                self.buffer.mul_(multiply_by)
+            for view, grad in zip(self.views, grads):
+                if grad is None:
+                    view.zero_()
+            if copied:
+                torch._foreach_copy_([v for v, _ in copied], [g for _, g in copied])
+            if not any(aliased):
+                if multiply_by is not None:
+                    self.buffer.mul_(multiply_by)
+            else:
+                if multiply_by is not None and copied:
+                    torch._foreach_mul_([v for v, _ in copied], multiply_by)
+                if alias_divide_by is not None:
+                    torch._foreach_div_([v for v, a in zip(self.views, aliased) if a], alias_divide_by)
             if divide_by is not None:
                 self.buffer.div_(divide_by)
 
-    def copy_out(self, result: torch.Tensor) -> None:
-        """Write the reduced flat ``result`` into every parameter's ``.grad``."""
+    def point_grads_at_views(self) -> None:
+        """Make each defined ``param.grad`` its bucket view (``gradient_as_bucket_view``)."""
+        for param, view in zip(self.params, self.views):
+            if param.grad is not None and param.grad is not view:
+                param.grad = view
+
+    def copy_out(self, result: torch.Tensor, write: Sequence[bool], as_view: bool) -> None:
+        """Write the reduced flat ``result`` into the ``.grad`` of every parameter marked in ``write``.
+
+        With ``as_view`` the bucket views are the gradients: the result is copied into them when a
+        hook returned another tensor, and an undefined gradient becomes its view.
+        """
+        chosen = [i for i, w in enumerate(write) if w]
         if result is self.buffer:
-            reduced_views = self.views
+            reduced = [self.views[i] for i in chosen]
         else:
-            reduced_views = [strided_view(result, p, off) for p, off in zip(self.params, self.offsets)]
+            reduced = [strided_view(result, self.params[i], self.offsets[i]) for i in chosen]
         with torch.no_grad():
-            for param, reduced in zip(self.params, reduced_views):
-                if param.grad is None:
-                    param.grad = _empty_like_param(param)
-            grads = [p.grad for p in self.params]
-            torch._foreach_copy_(grads, reduced_views)
+            if as_view:
+                if result is not self.buffer and chosen:
+                    torch._foreach_copy_([self.views[i] for i in chosen], reduced)
+                for i in chosen:
+                    if self.params[i].grad is None:
+                        self.params[i].grad = self.views[i]
+                return
+            for i in chosen:
+                if self.params[i].grad is None:
+                    self.params[i].grad = _empty_like_param(self.params[i])
+            if chosen:
+                torch._foreach_copy_([self.params[i].grad for i in chosen], reduced)
 
 
 def _empty_like_param(param: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ driven by hand in tests. The wrapper calls, per iteration:
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -21,6 +22,7 @@ from overlapddp.bucket_plan import BucketCaps, BucketPlan, initial_plan, rebuilt
 from overlapddp.bucket_storage import BucketStorage
 from overlapddp.comm_hook import Bucket, CommHook, allreduce_sum, hook_result, run_hook
 from overlapddp.fence import Fence
+from overlapddp.param_usage import UsageMap, grad_accumulators, unreachable
 
 
 class ReducerState(enum.Enum):
@@ -29,6 +31,17 @@ class ReducerState(enum.Enum):
     IDLE = "idle"  # no synchronized backward expected: before the first forward, or after finalize
     BACKWARD = "backward"  # a synchronized forward ran; gradients are copied in and buckets launched
     FINALIZING = "finalizing"  # the end-of-backward callback is completing buckets
+
+
+@dataclass(frozen=True)
+class ReducerOptions:
+    """DDP's behaviour switches that change when and how gradients are reduced."""
+
+    find_unused_parameters: bool = False  # search each forward's graph; skip globally unused grads
+    static_graph: bool = False  # learn the graph in iteration 1, reduce it all at its end
+    gradient_as_bucket_view: bool = False  # param.grad is a view into its bucket, no copy-out
+    batched_grad_copy: bool = False  # copy unscaled, then divide each bucket (true division)
+    skip_all_reduce_unused_params: bool = False  # never reduce buckets holding only unused params
 
 
 class Reducer:
@@ -42,8 +55,7 @@ class Reducer:
         fence: Fence,
         caps: BucketCaps,
         sparse_gradient: Sequence[bool],
-        find_unused_parameters: bool = False,
-        batched_grad_copy: bool = False,
+        options: ReducerOptions = ReducerOptions(),
     ) -> None:
         self.params = list(params)
         self.names = list(names)
@@ -52,7 +64,7 @@ class Reducer:
         self._fence = fence
         self._caps = caps
         self._sparse_gradient = list(sparse_gradient)
-        self._batched_grad_copy = batched_grad_copy
+        self.options = options
         self._comm_hook: tuple[Any, CommHook] | None = None
         self.state = ReducerState.IDLE
         # DDP rebuilds once, from rank 0's gradient-ready order, unless it searches unused parameters.
@@ -61,12 +73,23 @@ class Reducer:
         # synchronization (no_sync) has accumulated local gradients since the last one.
         self.reductions = 0
         self.local_gradients_since_reduction = False
-        self._rebuild_pending = not find_unused_parameters
+        # DDP rebuilds once, from rank 0's gradient-ready order, unless it searches unused
+        # parameters on a dynamic graph.
+        self._rebuild_pending = options.static_graph or not options.find_unused_parameters
         self._ready_order: list[int] = []
         # True from the first mark_ready of a backward until finalize: an unfinished reduction.
         self._require_finalize = False
+        tracks_usage = options.find_unused_parameters or options.static_graph
+        self._usage = UsageMap(len(self.params), self.params[0].device) if tracks_usage else None
+        self._accumulators = grad_accumulators(self.params) if self._dynamic_unused else []
+        # Parameters no output reached (dynamic) or whose hook never fired in iteration 1 (static).
+        self._unused: list[int] = []
+        # Static graph: hook firings per parameter in this backward, and in the first one (None
+        # until the first synchronized backward ended).
+        self._fires = [0] * len(self.params)
+        self._expected_fires: list[int] | None = None
         self._install_plan(
-            initial_plan(self.params, self._sparse_gradient, caps, find_unused_parameters, static_graph=False)
+            initial_plan(self.params, self._sparse_gradient, caps, options.find_unused_parameters, options.static_graph)
         )
 
     # -- plan ---------------------------------------------------------------------------------
@@ -84,6 +107,18 @@ class Reducer:
         self._pending = [len(members) for members in self.plan.buckets]
         self._marked = [False] * len(self.params)
         self._next_launch = 0
+        self._unused_marked = False
+        self._fires = [0] * len(self.params)
+
+    @property
+    def _dynamic_unused(self) -> bool:
+        return self.options.find_unused_parameters and not self.options.static_graph
+
+    @property
+    def needs_end_of_backward_trigger(self) -> bool:
+        """Static graph, first iteration: nothing is reduced during backward; the wrapper must
+        call :meth:`reduce_learned_graph` when backward reaches the outputs' end."""
+        return self.options.static_graph and self._expected_fires is None
 
     @property
     def has_rebuilt_buckets(self) -> bool:
@@ -120,22 +155,34 @@ class Reducer:
     # -- the iteration ------------------------------------------------------------------------
 
     def prepare_for_forward(self) -> None:
-        """Apply the one rebuild once a synchronized backward has recorded the ready order."""
+        """Check the last reduction finished; apply the one rebuild once the ready order is known."""
+        self._ensure_prior_reduction_finished()
         if self._rebuild_pending and self._ready_order:
-            self._ensure_prior_reduction_finished()
             order = torch.tensor(self._ready_order, dtype=torch.int64, device=self._storages[0].buffer.device)
             dist.broadcast(order, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
             self._rebuild_pending = False
             self._ready_order = []
             self._install_plan(rebuilt_plan(self.params, self._sparse_gradient, self._caps, order.tolist()))
+            if self.options.gradient_as_bucket_view:
+                for storage in self._storages:
+                    with torch.no_grad():
+                        for param, view in zip(storage.params, storage.views):
+                            if param.grad is not None:
+                                view.copy_(param.grad)
+                    storage.point_grads_at_views()
 
-    def prepare_for_backward(self) -> None:
-        """A synchronized forward ran: the next backward's gradients are to be reduced."""
+    def prepare_for_backward(self, outputs: Sequence[torch.Tensor] = ()) -> None:
+        """A synchronized forward ran: the next backward's gradients are to be reduced.
+
+        With ``find_unused_parameters`` the forward's ``outputs`` tell which parameters it used.
+        """
         self._ensure_prior_reduction_finished()
         self._reset_iteration()
         # Scale while copying, as DDP's default path does; a hook or batched copy divides later.
-        no_scaling = self._comm_hook is not None or self._batched_grad_copy
+        no_scaling = self._comm_hook is not None or self.options.batched_grad_copy
         self._scale = None if no_scaling else 1.0 / self._world_size()
+        if self._dynamic_unused:
+            self._unused = unreachable(outputs, self._accumulators)
         self.state = ReducerState.BACKWARD
 
     def mark_ready(self, index: int) -> bool:
@@ -143,34 +190,90 @@ class Reducer:
 
         The caller then queues :meth:`finalize` to run at the end of this backward.
         """
+        if self._usage is not None and (self._dynamic_unused or self._expected_fires is None):
+            self._usage.mark_used(index)
         if self.state is not ReducerState.BACKWARD:
             self.local_gradients_since_reduction = True
             return False
+        if self.options.static_graph:
+            self._fires[index] += 1
+            if self._expected_fires is None:
+                self._require_finalize = True
+                return False  # iteration 1 only learns the graph
+            expected = self._expected_fires[index]
+            if expected == 0:
+                raise RuntimeError(
+                    f"Your training graph has changed in this iteration: parameter {self.names[index]} "
+                    f"(index {index}) was unused in the first iteration but received a gradient now on rank "
+                    f"{self.rank}. This is not compatible with static_graph=True."
+                )
+            if self._fires[index] < expected:
+                return False
         if self._marked[index]:
             raise RuntimeError(
                 f"Expected to mark a variable ready only once. Parameter {self.names[index]} (index {index}) "
                 f"received its gradient twice in one backward on rank {self.rank}. This happens when a "
-                "parameter is used outside forward, in reentrant backward, or in several backwards of "
-                "one forward; use no_sync() for all but the last backward."
+                "parameter is used outside forward, in reentrant backward (use static_graph=True), or in "
+                "several backwards of one forward; use no_sync() for all but the last backward."
             )
-        self._marked[index] = True
-        self._require_finalize = True
         if self._rebuild_pending:
             self._ready_order.append(index)
+        if not self._unused_marked:
+            self._unused_marked = True
+            for unused in self._unused:
+                self._mark(unused)
+        self._mark(index)
+        return self._next_launch == len(self._storages)
+
+    def _mark(self, index: int) -> None:
+        """Count one gradient in; fill and launch every bucket that is complete, in index order."""
+        self._marked[index] = True
+        self._require_finalize = True
         bucket = self._locate[index]
         self._pending[bucket] -= 1
         if self._pending[bucket] == 0:
             self._fill(bucket)
         while self._next_launch < len(self._storages) and self._pending[self._next_launch] == 0:
-            self._launch(self._next_launch)
+            if not self._skipped(self._next_launch):
+                self._launch(self._next_launch)
             self._next_launch += 1
-        return self._next_launch == len(self._storages)
+            if self._next_launch == len(self._storages) and self._dynamic_unused:
+                self._usage.launch_reduction(self.process_group)
+
+    def _skipped(self, bucket: int) -> bool:
+        """``skip_all_reduce_unused_params``: a bucket of only unused parameters is not reduced."""
+        if not self.options.skip_all_reduce_unused_params:
+            return False
+        unused = set(self._unused)
+        return all(i in unused for i in self.plan.buckets[bucket])
+
+    def reduce_learned_graph(self) -> None:
+        """Static graph, end of the first backward: learn who is unused, then reduce everything."""
+        self._usage.launch_reduction(self.process_group)
+        self._expected_fires = list(self._fires)
+        self._unused = [i for i, fires in enumerate(self._fires) if fires == 0]
+        self._unused_marked = True
+        for index in range(len(self.params)):
+            self._mark(index)
+        self.finalize()
 
     def _fill(self, index: int) -> None:
         """Copy a complete bucket's gradients in, scaled as DDP scales them (batched, once per bucket)."""
         storage = self._storages[index]
-        divide_by = self._world_size() if self._batched_grad_copy and self._comm_hook is None else None
-        storage.copy_in([p.grad for p in storage.params], self._scale, divide_by)
+        no_hook = self._comm_hook is None
+        batched = self.options.batched_grad_copy
+        storage.copy_in(
+            [p.grad for p in storage.params],
+            self._scale,
+            divide_by=self._world_size() if batched and no_hook else None,
+            alias_divide_by=self._world_size() if no_hook and not batched else None,
+        )
+        if self.options.gradient_as_bucket_view:
+            storage.point_grads_at_views()
+
+    def _globally_used(self, index: int) -> bool:
+        """Whether any rank produced this gradient; a globally unused gradient is left untouched."""
+        return self._usage is None or self._usage.globally_used(index)
 
     def _world_size(self) -> int:
         return self.process_group.size()
@@ -203,12 +306,23 @@ class Reducer:
         hook_name = "allreduce (default)" if self._comm_hook is None else _qualname(self._comm_hook[1])
         try:
             for index, storage in enumerate(self._storages):
+                if self._skipped(index):
+                    continue
                 value = self._fence.complete(index)
-                storage.copy_out(hook_result(value, hook_name, index, storage.buffer))
+                write = [self._globally_used(i) for i in self.plan.buckets[index]]
+                result = hook_result(value, hook_name, index, storage.buffer)
+                storage.copy_out(result, write, as_view=self.options.gradient_as_bucket_view)
                 self._fence.consumed(index, "copy to param.grad")
+            if self._usage is not None:
+                self._usage.settle()
         except BaseException:
             self._abandon()
             raise
+        if self._dynamic_unused:
+            self._usage.reset()
+        if self._rebuild_pending and self.options.static_graph and self._ready_order:
+            # DDP appends the parameters that never fired to the recorded order at finalize.
+            self._ready_order += [i for i in self._unused]
         self._fence.end_iteration()
         self.reductions += 1
         self.local_gradients_since_reduction = False
@@ -242,6 +356,8 @@ class Reducer:
             self._storages[index] = BucketStorage(index, [self.params[i] for i in members])
         self._require_finalize = False
         self._ready_order = []
+        if self._dynamic_unused:
+            self._usage.reset()
         self._reset_iteration()
         self.state = ReducerState.IDLE
 

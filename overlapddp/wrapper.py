@@ -22,17 +22,14 @@ from overlapddp.comm_hook_validation import builtin_hook, check_comm_hook
 from overlapddp.fence import FenceLog, fence_for
 from overlapddp.module_sync import broadcast_coalesced, verify_same_parameters
 from overlapddp.optimizer_guard import OptimizerGuard
-from overlapddp.reducer import Reducer
+from overlapddp.param_usage import tensors_in
+from overlapddp.reducer import Reducer, ReducerOptions
 
 # Arguments this version rejects when set (to anything but None/False), with what to do instead.
 _NOT_YET = {
-    "find_unused_parameters": "make every parameter receive a gradient in each synchronized backward",
-    "gradient_as_bucket_view": "leave it False; gradients are copied out of the buckets",
-    "static_graph": "leave it False; the dynamic-graph path gives the same numbers",
     "delay_all_reduce_named_params": "let all parameters be reduced in buckets",
     "param_to_hook_all_reduce": "let all parameters be reduced in buckets",
     "mixed_precision": "cast the model yourself, or register fp16_compress_hook",
-    "skip_all_reduce_unused_params": "it only applies with find_unused_parameters=True",
 }
 
 
@@ -70,6 +67,8 @@ class OverlapDDP(nn.Module):
         forward_sync_buffers: bool | None = None,
     ) -> None:
         super().__init__()
+        if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
+            raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce need to be set at the same time.")
         given = locals()
         for name, instead in _NOT_YET.items():
             if given[name] is not None and given[name] is not False:
@@ -123,10 +122,21 @@ class OverlapDDP(nn.Module):
                     f"OverlapDDP does not reduce sparse gradients yet ({module_name} has sparse=True); "
                     "use sparse=False."
                 )
-        self._reducer = Reducer(
-            params, names, self.process_group, fence_for(self.device), caps, sparse,
-            find_unused_parameters=find_unused_parameters, batched_grad_copy=batched_grad_copy,
+        if static_graph and find_unused_parameters:
+            warnings.warn(
+                "You passed find_unused_parameters=true to OverlapDDP with static_graph enabled; with a "
+                "static graph unused parameters are found in the first iteration, so it is not needed.",
+                UserWarning,
+                stacklevel=2,
+            )
+        options = ReducerOptions(
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            batched_grad_copy=batched_grad_copy,
+            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
         )
+        self._reducer = Reducer(params, names, self.process_group, fence_for(self.device), caps, sparse, options)
         self._hook_handles = _register_ready_hooks(self._reducer, params)
         self._comm_hooks: list[tuple[Callable, object]] = []
 
@@ -141,11 +151,15 @@ class OverlapDDP(nn.Module):
             if self.will_sync_module_buffers():
                 broadcast_coalesced(self.modules_buffers, 0, self.process_group)
             if self.device_ids:
-                inputs, kwargs = _move_to(torch.device(self.device_type, self.device_ids[0]), (inputs, kwargs))
+                target = torch.device(self.device_type, self.device_ids[0])
+                inputs, kwargs = _map_tensors((inputs, kwargs), lambda t: t.to(target, non_blocking=True))
             output = self.module(*inputs, **kwargs)
             if grad_enabled and self.require_backward_grad_sync:
                 self.require_forward_param_sync = True
-                self._reducer.prepare_for_backward()
+                outputs = list(tensors_in(output)) if self.find_unused_parameters else []
+                self._reducer.prepare_for_backward(outputs)
+                if self._reducer.needs_end_of_backward_trigger:
+                    output = _end_of_backward_trigger(output, self._reducer)
             else:
                 self.require_forward_param_sync = False
             return output
@@ -315,12 +329,43 @@ def _register_ready_hooks(reducer: Reducer, params: list[torch.Tensor]) -> list[
     return [p.register_post_accumulate_grad_hook(make_hook(i)) for i, p in enumerate(params)]
 
 
-def _move_to(device: torch.device, tree: Any) -> Any:
+class _EndOfBackward(torch.autograd.Function):
+    """Identity on the outputs whose backward queues the static graph's first reduction.
+
+    Its backward runs first in the outermost graph task, so the queued callback runs when that
+    whole backward (reentrant checkpoints included) has finished.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, reducer: Reducer, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.reducer = reducer
+        ctx.set_materialize_grads(False)
+        return tuple(t.clone() for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        if not getattr(ctx, "queued", False):
+            ctx.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(ctx.reducer.reduce_learned_graph)
+        return (None, *grads)
+
+
+def _end_of_backward_trigger(output: Any, reducer: Reducer) -> Any:
+    """Route the differentiable tensors of ``output`` through :class:`_EndOfBackward`, keeping its structure."""
+    leaves = [t for t in tensors_in(output) if t.grad_fn is not None]
+    if not leaves:
+        return output
+    replaced = dict(zip(map(id, leaves), _EndOfBackward.apply(reducer, *leaves)))
+    return _map_tensors(output, lambda t: replaced.get(id(t), t))
+
+
+def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Apply ``fn`` to every tensor in nested lists, tuples (named ones too) and dicts."""
     if isinstance(tree, torch.Tensor):
-        return tree.to(device, non_blocking=True)
+        return fn(tree)
     if isinstance(tree, (list, tuple)):
-        moved = [_move_to(device, x) for x in tree]
-        return type(tree)(moved) if not hasattr(tree, "_fields") else type(tree)(*moved)
+        items = [_map_tensors(x, fn) for x in tree]
+        return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
     if isinstance(tree, dict):
-        return {k: _move_to(device, v) for k, v in tree.items()}
+        return type(tree)((k, _map_tensors(v, fn)) for k, v in tree.items())
     return tree

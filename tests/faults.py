@@ -16,8 +16,8 @@ def _skip_scaling() -> tuple[object, str, object]:
     """Copy gradients into buckets without multiplying by 1/world_size (sum instead of mean)."""
     original = bucket_storage.BucketStorage.copy_in
 
-    def copy_in(self, grads, multiply_by, divide_by):
-        return original(self, grads, None, divide_by)
+    def copy_in(self, grads, multiply_by, divide_by=None, alias_divide_by=None):
+        return original(self, grads, None, divide_by, alias_divide_by)
 
     return bucket_storage.BucketStorage, "copy_in", copy_in
 
@@ -26,10 +26,10 @@ def _true_division() -> tuple[object, str, object]:
     """Divide by world_size instead of multiplying by its reciprocal (differs at world size 3)."""
     original = bucket_storage.BucketStorage.copy_in
 
-    def copy_in(self, grads, multiply_by, divide_by):
+    def copy_in(self, grads, multiply_by, divide_by=None, alias_divide_by=None):
         if multiply_by is None:
-            return original(self, grads, multiply_by, divide_by)
-        return original(self, grads, None, round(1.0 / multiply_by))
+            return original(self, grads, multiply_by, divide_by, alias_divide_by)
+        return original(self, grads, None, round(1.0 / multiply_by), alias_divide_by)
 
     return bucket_storage.BucketStorage, "copy_in", copy_in
 
@@ -60,7 +60,19 @@ def _ignore_no_sync() -> tuple[object, str, object]:
     return wrapper.OverlapDDP, "no_sync", no_sync
 
 
+def _write_unused_grads() -> tuple[object, str, object]:
+    """Treat every parameter as globally used, so never-used ones get zero gradients instead of None."""
+    return reducer.Reducer, "_globally_used", lambda self, index: True
+
+
+def _no_alias_division() -> tuple[object, str, object]:
+    """Never recognise a gradient that already is its bucket view: copy and multiply instead of dividing."""
+    return bucket_storage.BucketStorage, "aliases", lambda self, slot, grad: False
+
+
 FAULTS = {
+    "write_unused_grads": _write_unused_grads,
+    "no_alias_division": _no_alias_division,
     "skip_scaling": _skip_scaling,
     "true_division": _true_division,
     "swap_in_bucket": _swap_in_bucket,

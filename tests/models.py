@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torchvision
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 VOCAB = 50
 SEQ = 8
@@ -27,6 +28,42 @@ class TinyLM(nn.Module):
         return self.head(self.blocks(self.embed(tokens)))
 
 
+class Branchy(nn.Module):
+    """Chooses a head from its input, so ranks leave different parameters unused; one layer is never used.
+
+    ``fixed`` always takes ``head_a``: then every rank leaves the same parameters unused.
+    """
+
+    def __init__(self, fixed: bool = False) -> None:
+        super().__init__()
+        self.fixed = fixed
+        self.trunk = nn.Linear(16, 32)
+        self.head_a = nn.Linear(32, 10)
+        self.head_b = nn.Linear(32, 10)
+        self.never = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.trunk(x))
+        return self.head_a(hidden) if self.fixed or x[0, 0] > 0 else self.head_b(hidden)
+
+
+class Checkpointed(nn.Module):
+    """Reentrant activation checkpointing (which needs static_graph) and a layer that is never used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(16, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(16, 10)
+        self.never = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=True)
+        return self.head(x)
+
+
 def build(name: str) -> nn.Module:
     """The model called ``name``, initialized from a fixed seed (identical on every call)."""
     torch.manual_seed(0)
@@ -42,13 +79,19 @@ def build(name: str) -> nn.Module:
         return torchvision.models.resnet18(num_classes=10)
     if name == "transformer":
         return TinyLM()
+    if name == "branchy":
+        return Branchy()
+    if name == "branchy_fixed":
+        return Branchy(fixed=True)
+    if name == "checkpointed":
+        return Checkpointed()
     raise ValueError(f"unknown test model {name!r}")
 
 
 def batch(name: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets that differ per rank and per step, the same for every wrapper."""
     g = torch.Generator().manual_seed(1000 * step + rank)
-    if name == "mlp":
+    if name in ("mlp", "branchy", "branchy_fixed", "checkpointed"):
         return torch.randn(8, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
     if name == "cnn_bn":
         return torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)

@@ -15,7 +15,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
-from tests import faults, models
+from tests import faults, hooks, models
 
 
 @dataclass(frozen=True)
@@ -30,13 +30,21 @@ class Scenario:
     accumulate: int = 1
     skip_sync_by: str = "no_sync"
     ddp_kwargs: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
+    # A communication hook from ``tests.hooks.HOOKS``, registered on both wrappers.
+    hook: str | None = None
+    # ``optimizer.zero_grad(set_to_none=...)``: False keeps gradient tensors (and bucket views) alive.
+    set_to_none: bool = True
 
     @property
     def name(self) -> str:
         cap = "default" if self.bucket_cap_mb is None else f"cap{self.bucket_cap_mb}"
         extra = "".join(f"-{k}={v}" for k, v in self.ddp_kwargs)
+        if self.hook is not None:
+            extra += f"-hook={self.hook}"
         if self.accumulate > 1:
             extra += f"-accumulate{self.accumulate}-{self.skip_sync_by}"
+        if not self.set_to_none:
+            extra += "-keep_grads"
         return f"{self.model}-{self.optimizer}-{cap}{extra}" + (f"-FAULT:{self.fault}" if self.fault else "")
 
 
@@ -63,6 +71,14 @@ def first_difference(a: torch.nn.Module, b: torch.nn.Module) -> str | None:
     return None
 
 
+def first_grad_difference(a: torch.nn.Module, b: torch.nn.Module) -> str | None:
+    """The first parameter whose reduced gradient differs (a missing gradient counts as a difference)."""
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        if (p.grad is None) != (q.grad is None) or (p.grad is not None and not torch.equal(p.grad, q.grad)):
+            return f"{name}.grad"
+    return None
+
+
 @contextmanager
 def skipping_sync(wrapper: torch.nn.Module, how: str, skip: bool) -> Iterator[None]:
     """Run one micro-step without gradient reduction when ``skip``, the way a user would."""
@@ -83,24 +99,32 @@ def run_scenarios(rank: int, world_size: int, scenarios: list[Scenario]) -> list
 
 def run_scenario(rank: int, scenario: Scenario) -> Outcome:
     kwargs = dict(scenario.ddp_kwargs)
+    spec = hooks.HOOKS[scenario.hook] if scenario.hook is not None else None
     reference = DistributedDataParallel(models.build(scenario.model), bucket_cap_mb=scenario.bucket_cap_mb, **kwargs)
+    ref_averager = hooks.register(reference, spec, is_reference=True) if spec is not None else None
     with faults.injected(scenario.fault):
         candidate = OverlapDDP(models.build(scenario.model), bucket_cap_mb=scenario.bucket_cap_mb, **kwargs)
+        cand_averager = hooks.register(candidate, spec, is_reference=False) if spec is not None else None
         ref_opt = models.optimizer(scenario.optimizer, reference.parameters())
         cand_opt = models.optimizer(scenario.optimizer, candidate.parameters())
         outcome = Outcome([], [], None, [])
+        pairs = ((reference, ref_opt, ref_averager), (candidate, cand_opt, cand_averager))
         for step in range(scenario.steps):
-            for wrapper, opt in ((reference, ref_opt), (candidate, cand_opt)):
+            for wrapper, _, _ in pairs:
                 for micro in range(scenario.accumulate):
                     inputs, target = models.batch(scenario.model, rank, step * scenario.accumulate + micro)
                     with skipping_sync(wrapper, scenario.skip_sync_by, micro < scenario.accumulate - 1):
                         models.loss_of(wrapper(inputs), target).backward()
+            grad_difference = first_grad_difference(reference, candidate)
+            for wrapper, opt, averager in pairs:
                 opt.step()
-                opt.zero_grad()
+                if averager is not None:  # before zero_grad: it averages the parameters that have grads
+                    averager.average_parameters(wrapper.parameters())
+                opt.zero_grad(set_to_none=scenario.set_to_none)
             layout = ddp_layout(reference)
             outcome.ddp_layouts.append(layout)
             outcome.layouts_equal.append(layout == [list(b) for b in candidate._reducer.plan.buckets])
-            difference = first_difference(reference, candidate)
+            difference = grad_difference or first_difference(reference, candidate)
             outcome.equal.append(difference is None)
             if difference is not None and outcome.first_difference is None:
                 outcome.first_difference = f"step {step}: {difference}"

@@ -13,6 +13,10 @@ import pytest
 from tests.multiprocess import run_ranks
 from tests.parity import Outcome, Scenario, run_scenarios
 
+FIND_UNUSED = (("find_unused_parameters", True),)
+BUCKET_VIEW = (("gradient_as_bucket_view", True),)
+STATIC = (("static_graph", True),)
+
 SCENARIOS = [
     Scenario(model, opt, cap)
     for model in ("mlp", "cnn_bn", "transformer")
@@ -23,6 +27,20 @@ SCENARIOS = [
     Scenario("resnet18", "adam", 1),
     Scenario("cnn_bn", "sgd", 0.001, accumulate=3),
     Scenario("transformer", "adam", None, accumulate=2, skip_sync_by="assign"),
+    # find_unused_parameters: heads chosen per rank from the data, one layer never used.
+    Scenario("branchy", "sgd", None, ddp_kwargs=FIND_UNUSED),
+    Scenario("branchy", "adam", 0.001, ddp_kwargs=FIND_UNUSED, accumulate=2),
+    Scenario("branchy", "sgd", None, ddp_kwargs=FIND_UNUSED, set_to_none=False),
+    Scenario("branchy", "sgd", 0.001, ddp_kwargs=FIND_UNUSED + BUCKET_VIEW, set_to_none=False),
+    Scenario("branchy_fixed", "sgd", 0.001, ddp_kwargs=FIND_UNUSED + (("skip_all_reduce_unused_params", True),)),
+    # gradient_as_bucket_view, with gradients set to None and kept (the true-division branch).
+    Scenario("mlp", "sgd", None, ddp_kwargs=BUCKET_VIEW),
+    Scenario("cnn_bn", "sgd", 0.001, ddp_kwargs=BUCKET_VIEW, set_to_none=False),
+    Scenario("transformer", "adam", 0.001, ddp_kwargs=BUCKET_VIEW, set_to_none=False, accumulate=2),
+    # static_graph: the first iteration reduced at its end, rebuild after the second; reentrant checkpoints.
+    Scenario("transformer", "adam", None, ddp_kwargs=STATIC),
+    Scenario("checkpointed", "sgd", 0.001, ddp_kwargs=STATIC),
+    Scenario("mlp", "sgd", 0.001, ddp_kwargs=(("batched_grad_copy", True),)),
 ]
 
 WORLD_SIZES = (2, 3, 4)
@@ -54,6 +72,10 @@ def test_layouts_cover_one_bucket_first_then_the_rebuild():
     """The scenarios really exercise the one-bucket first step and a many-bucket rebuild."""
     result = outcomes(3)
     assert [len(b) for b in result[Scenario("resnet18", "sgd", None)][0].ddp_layouts] == [1, 3, 3, 3, 3]
+    assert [len(b) for b in result[Scenario("checkpointed", "sgd", 0.001, ddp_kwargs=STATIC)][0].ddp_layouts] == [
+        1, 1, 5, 5, 5
+    ]  # static graph: rebuilt after the second iteration
+    assert len(result[Scenario("branchy", "adam", 0.001, ddp_kwargs=FIND_UNUSED, accumulate=2)][0].ddp_layouts[0]) > 1
     assert all(len(b) >= 10 for b in result[Scenario("transformer", "adam", 0.001)][0].ddp_layouts[1:])
 
 
@@ -66,6 +88,9 @@ FAULT_SCENARIOS = [
     Scenario("transformer", "sgd", None, fault="swap_in_bucket"),
     Scenario("resnet18", "sgd", None, fault="swap_in_bucket"),
     Scenario("cnn_bn", "sgd", 0.001, accumulate=3, fault="ignore_no_sync"),
+    Scenario("branchy", "sgd", None, ddp_kwargs=FIND_UNUSED, fault="write_unused_grads"),
+    Scenario("cnn_bn", "sgd", 0.001, ddp_kwargs=BUCKET_VIEW, set_to_none=False, fault="no_alias_division"),
+    Scenario("checkpointed", "sgd", 0.001, ddp_kwargs=STATIC, fault="swap_in_bucket"),
 ]
 
 

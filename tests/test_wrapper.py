@@ -24,17 +24,20 @@ def test_constructor_signature_matches_ddp_names_order_and_defaults():
 
 @pytest.mark.parametrize(
     "argument, value",
-    [
-        ("find_unused_parameters", True),
-        ("gradient_as_bucket_view", True),
-        ("static_graph", True),
-        ("mixed_precision", object()),
-        ("skip_all_reduce_unused_params", True),
-    ],
+    [("mixed_precision", object()), ("delay_all_reduce_named_params", [("weight", None)])],
 )
 def test_unimplemented_argument_raises_not_implemented_naming_it(argument, value):
+    net = nn.Linear(2, 2)
+    kwargs = {argument: value}
+    if argument == "delay_all_reduce_named_params":
+        kwargs["param_to_hook_all_reduce"] = net.weight
     with pytest.raises(NotImplementedError, match=argument):
-        OverlapDDP(nn.Linear(2, 2), **{argument: value})
+        OverlapDDP(net, **kwargs)
+
+
+def test_delayed_all_reduce_arguments_must_come_together():
+    with pytest.raises(ValueError, match="need to be set at the same time"):
+        OverlapDDP(nn.Linear(2, 2), delay_all_reduce_named_params=[])
 
 
 def _contract_checks(rank: int, world_size: int) -> dict[str, object]:

@@ -1,0 +1,94 @@
+"""Which parameters took part in producing the loss, locally and on any rank.
+
+DDP's ``find_unused_parameters`` contract: a parameter that no rank used keeps its gradient
+untouched (``None`` stays ``None``); one that only some ranks used receives the reduced value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+
+def tensors_in(output: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a forward's output: through sequences, mappings and dataclasses."""
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, (list, tuple)):
+        for item in output:
+            yield from tensors_in(item)
+    elif isinstance(output, dict):
+        for item in output.values():
+            yield from tensors_in(item)
+    elif dataclasses.is_dataclass(output) and not isinstance(output, type):
+        for f in dataclasses.fields(output):
+            yield from tensors_in(getattr(output, f.name))
+
+
+def grad_accumulators(params: Sequence[torch.Tensor]) -> list[Any]:
+    """The autograd node that accumulates each parameter's gradient (kept alive by the caller)."""
+    with torch.enable_grad():
+        return [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
+
+
+def unreachable(outputs: Sequence[torch.Tensor], accumulators: Sequence[Any]) -> list[int]:
+    """Indices of parameters whose accumulator no output's graph reaches: unused in this forward."""
+    seen: set[Any] = set()
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(child for child, _ in node.next_functions if child is not None)
+    return [i for i, acc in enumerate(accumulators) if acc not in seen]
+
+
+class UsageMap:
+    """Per-parameter "this rank produced a gradient" flags and their sum over ranks.
+
+    Written by the ready hooks, all-reduced once per synchronized backward after the last bucket
+    launched, read lazily by finalize only for parameters this rank did not use.
+    """
+
+    def __init__(self, count: int, device: torch.device) -> None:
+        self.local = torch.zeros(count, dtype=torch.int32)
+        self._device = device
+        # Future of the all-reduced copy of ``local``; produced by ``launch_reduction``, waited on
+        # by ``globally_used`` (finalize), dropped by ``reset``.
+        self._reduction: Future | None = None
+        self._global: torch.Tensor | None = None
+
+    def mark_used(self, index: int) -> None:
+        self.local[index] = 1
+
+    def launch_reduction(self, process_group: dist.ProcessGroup) -> None:
+        """Start summing the flags over ranks; the result is awaited only if needed."""
+        summed = self.local.to(self._device, copy=True)
+        self._reduction = dist.all_reduce(summed, group=process_group, async_op=True).get_future()
+        self._global = None
+
+    def globally_used(self, index: int) -> bool:
+        """Whether any rank used the parameter (waits for the reduction the first time)."""
+        if self.local[index]:
+            return True
+        if self._global is None:
+            if self._reduction is None:
+                raise RuntimeError("The parameter-usage reduction was never launched in this backward.")
+            self._global = self._reduction.wait()[0].cpu()
+        return bool(self._global[index])
+
+    def settle(self) -> None:
+        """Wait for this backward's reduction if nobody needed it yet, so none is left in flight."""
+        if self._reduction is not None and self._global is None:
+            self._global = self._reduction.wait()[0].cpu()
+
+    def reset(self) -> None:
+        """Start counting a new iteration (dynamic graphs); a static graph keeps its first map."""
+        self.local.zero_()
+        self._reduction = None
+        self._global = None
