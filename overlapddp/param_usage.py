@@ -57,7 +57,9 @@ class UsageMap:
 
     def __init__(self, count: int, device: torch.device) -> None:
         self.local = torch.zeros(count, dtype=torch.int32)
-        self._device = device
+        # The flags as sent to the other ranks, summed in place: after a reduction it holds that
+        # iteration's global counts, which is what a joined rank contributes while shadowing (DDP).
+        self._sent = torch.zeros(count, dtype=torch.int32, device=device)
         # Future of the all-reduced copy of ``local``; produced by ``launch_reduction``, waited on
         # by ``globally_used`` (finalize), dropped by ``reset``.
         self._reduction: Future | None = None
@@ -68,9 +70,13 @@ class UsageMap:
 
     def launch_reduction(self, process_group: dist.ProcessGroup) -> None:
         """Start summing the flags over ranks; the result is awaited only if needed."""
-        summed = self.local.to(self._device, copy=True)
-        self._reduction = dist.all_reduce(summed, group=process_group, async_op=True).get_future()
+        self._sent.copy_(self.local)
+        self._reduction = dist.all_reduce(self._sent, group=process_group, async_op=True).get_future()
         self._global = None
+
+    def shadow_reduction(self, process_group: dist.ProcessGroup) -> None:
+        """A joined rank's matching all-reduce: it sends what it last sent, summed, as DDP does."""
+        dist.all_reduce(self._sent, group=process_group)
 
     def globally_used(self, index: int) -> bool:
         """Whether any rank used the parameter (waits for the reduction the first time)."""
@@ -79,13 +85,13 @@ class UsageMap:
         if self._global is None:
             if self._reduction is None:
                 raise RuntimeError("The parameter-usage reduction was never launched in this backward.")
-            self._global = self._reduction.wait()[0].cpu()
+            self._global = self._reduction.wait()[0].to("cpu", copy=True)
         return bool(self._global[index])
 
     def settle(self) -> None:
         """Wait for this backward's reduction if nobody needed it yet, so none is left in flight."""
         if self._reduction is not None and self._global is None:
-            self._global = self._reduction.wait()[0].cpu()
+            self._global = self._reduction.wait()[0].to("cpu", copy=True)
 
     def reset(self) -> None:
         """Start counting a new iteration (dynamic graphs); a static graph keeps its first map."""

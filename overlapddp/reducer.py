@@ -69,6 +69,9 @@ class Reducer:
         self.state = ReducerState.IDLE
         # DDP rebuilds once, from rank 0's gradient-ready order, unless it searches unused parameters.
         self._scale: float | None = None  # set per backward by prepare_for_backward
+        self._divide_by = 1  # likewise: the world size, or the ranks still training under Join
+        self._hook_future: torch.futures.Future | None = None  # last hook chain started, see _start_reduction
+        self._join_count: dist.Work | None = None  # set per forward under Join, see set_join_count
         # Read by the optimizer guard: completed reductions so far, and whether a backward outside
         # synchronization (no_sync) has accumulated local gradients since the last one.
         self.reductions = 0
@@ -180,7 +183,8 @@ class Reducer:
         self._reset_iteration()
         # Scale while copying, as DDP's default path does; a hook or batched copy divides later.
         no_scaling = self._comm_hook is not None or self.options.batched_grad_copy
-        self._scale = None if no_scaling else 1.0 / self._world_size()
+        self._divide_by = self._divisor()
+        self._scale = None if no_scaling else 1.0 / self._divide_by
         if self._dynamic_unused:
             self._unused = unreachable(outputs, self._accumulators)
         self.state = ReducerState.BACKWARD
@@ -265,8 +269,8 @@ class Reducer:
         storage.copy_in(
             [p.grad for p in storage.params],
             self._scale,
-            divide_by=self._world_size() if batched and no_hook else None,
-            alias_divide_by=self._world_size() if no_hook and not batched else None,
+            divide_by=self._divide_by if batched and no_hook else None,
+            alias_divide_by=self._divide_by if no_hook and not batched else None,
         )
         if self.options.gradient_as_bucket_view:
             storage.point_grads_at_views()
@@ -278,27 +282,56 @@ class Reducer:
     def _world_size(self) -> int:
         return self.process_group.size()
 
+    def _divisor(self) -> int:
+        """The world size, or under ``Join`` the number of ranks still training when asked for."""
+        if self._join_count is None:
+            return self._world_size()
+        work, self._join_count = self._join_count, None
+        work.wait()
+        return int(work.result()[0].item())
+
     def _launch(self, index: int) -> None:
         storage = self._storages[index]
-        bucket = Bucket(
-            index, storage.buffer, storage.offsets, storage.lengths, storage.params,
+        bucket = self._bucket(index, storage.buffer)
+        self._fence.produced(index, storage.buffer)
+        self._fence.launch(index, lambda: self._start_reduction(bucket))
+
+    def _bucket(self, index: int, buffer: torch.Tensor) -> Bucket:
+        storage = self._storages[index]
+        return Bucket(
+            index, buffer, storage.offsets, storage.lengths, storage.params,
             is_last=index == len(self._storages) - 1,
         )
-        self._fence.produced(index, storage.buffer)
+
+    def _start_reduction(self, bucket: Bucket) -> torch.futures.Future:
+        """Start one bucket's collective(s): the scaled sum, or the registered hook."""
         if self._comm_hook is None:
-            self._fence.launch(index, lambda: allreduce_sum(self.process_group, bucket))
-        else:
-            state, hook = self._comm_hook
-            # Hook chains run one bucket at a time, see [Note: one hook chain at a time] in
-            # comm_hook.py: bucket b's hook starts once bucket b-1's future (stored here by the
-            # previous launch of this iteration; finalize consumes it through the fence) is done.
-            after = self._hook_future if index > 0 else None
+            return allreduce_sum(self.process_group, bucket)
+        state, hook = self._comm_hook
+        # Hook chains run one bucket at a time, see [Note: one hook chain at a time] in
+        # comm_hook.py: bucket b's hook starts once bucket b-1's future (kept here from the
+        # previous start of this iteration; finalize consumes it through the fence) is done.
+        after = self._hook_future if bucket.index() > 0 else None
+        self._hook_future = run_hook(hook, state, bucket, after)
+        return self._hook_future
 
-            def start() -> torch.futures.Future:
-                self._hook_future = run_hook(hook, state, bucket, after)
-                return self._hook_future
+    def shadow_backward(self) -> None:
+        """A joined rank's backward: the same collectives as the others', on zeros, in the same order."""
+        futures = [
+            self._start_reduction(self._bucket(index, torch.zeros_like(storage.buffer)))
+            for index, storage in enumerate(self._storages)
+        ]
+        for future in futures:
+            future.wait()
+        if self._dynamic_unused:
+            self._usage.shadow_reduction(self.process_group)
+        if self._rebuild_pending and not self._ready_order:
+            self._ready_order = list(range(len(self.params)))
 
-            self._fence.launch(index, start)
+    def set_join_count(self, work: dist.Work, divide_by_initial_world_size: bool) -> None:
+        """Under ``Join``: ``work`` sums 1 per rank still training; average over those ranks unless
+        ``divide_by_initial_world_size``."""
+        self._join_count = None if divide_by_initial_world_size else work
 
     def finalize(self) -> None:
         """Complete every bucket in order and write the reduced values into ``param.grad``."""

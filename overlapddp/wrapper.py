@@ -15,11 +15,13 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable
 
 from overlapddp.bucket_plan import BucketCaps
 from overlapddp.comm_hook import CommHook
 from overlapddp.comm_hook_validation import builtin_hook, check_comm_hook
 from overlapddp.fence import FenceLog, fence_for
+from overlapddp.join import OverlapJoinHook, announce_backward_sync, common_rank
 from overlapddp.module_sync import broadcast_coalesced, verify_same_parameters
 from overlapddp.optimizer_guard import OptimizerGuard
 from overlapddp.param_usage import tensors_in
@@ -33,7 +35,7 @@ _NOT_YET = {
 }
 
 
-class OverlapDDP(nn.Module):
+class OverlapDDP(nn.Module, Joinable):
     """Drop-in ``DistributedDataParallel``: the same arguments, the same numbers, explicit fences.
 
     Example::
@@ -67,6 +69,7 @@ class OverlapDDP(nn.Module):
         forward_sync_buffers: bool | None = None,
     ) -> None:
         super().__init__()
+        Joinable.__init__(self)
         if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
             raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce need to be set at the same time.")
         given = locals()
@@ -91,6 +94,7 @@ class OverlapDDP(nn.Module):
         self.mixed_precision = mixed_precision
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
+        self._divide_by_initial_world_size = True  # set by join(); read by forward under Join
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
 
         named = [(n, p) for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
@@ -146,10 +150,16 @@ class OverlapDDP(nn.Module):
         """Run the wrapped module; a synchronized forward arms the reduction of its backward."""
         with torch.autograd.profiler.record_function("OverlapDDP.forward"):
             grad_enabled = torch.is_grad_enabled()
+            joining = self._join_config.enable
+            work = Join.notify_join_context(self)
+            if work is not None:
+                self._reducer.set_join_count(work, self._divide_by_initial_world_size)
             if grad_enabled:
                 self._reducer.prepare_for_forward()
             if self.will_sync_module_buffers():
-                broadcast_coalesced(self.modules_buffers, 0, self.process_group)
+                self._broadcast_buffers(common_rank(self, True) if joining else 0)
+            if joining:
+                announce_backward_sync(self, self.require_backward_grad_sync)
             if self.device_ids:
                 target = torch.device(self.device_type, self.device_ids[0])
                 inputs, kwargs = _map_tensors((inputs, kwargs), lambda t: t.to(target, non_blocking=True))
@@ -163,6 +173,16 @@ class OverlapDDP(nn.Module):
             else:
                 self.require_forward_param_sync = False
             return output
+
+    def _broadcast_buffers(self, source: int) -> None:
+        broadcast_coalesced(self.modules_buffers, source, self.process_group)
+
+    def _broadcast_state(self, source: int) -> None:
+        """Parameters (and buffers, when they are synchronized) from rank ``source`` to all ranks."""
+        states = [p.detach() for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
+        if self.forward_sync_buffers:
+            states += self.modules_buffers
+        broadcast_coalesced(states, source, self.process_group)
 
     def will_sync_module_buffers(self) -> bool:
         """Whether the next forward broadcasts buffers from rank 0 (DDP's rule, no_sync exceptions included)."""
@@ -235,9 +255,33 @@ class OverlapDDP(nn.Module):
     def _has_rebuilt_buckets(self) -> bool:
         return self._reducer.has_rebuilt_buckets
 
-    def join(self, *args: Any, **kwargs: Any) -> Any:
-        """Uneven inputs are not supported yet: every rank must run the same number of iterations."""
-        raise NotImplementedError("OverlapDDP.join() is not implemented yet; give every rank the same number of batches.")
+    # -- uneven inputs ---------------------------------------------------------------------------
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """Context manager for uneven inputs: joined ranks shadow the others' collectives (as DDP).
+
+        ``divide_by_initial_world_size=False`` averages over the ranks still training instead.
+        """
+        return Join(
+            [self], enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size
+        )
+
+    def join_hook(self, **kwargs: Any) -> OverlapJoinHook:
+        """The hook ``Join`` runs on a rank that has run out of inputs."""
+        return OverlapJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
 
 
 def _resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any | None) -> dist.ProcessGroup:

@@ -1,0 +1,78 @@
+"""Uneven inputs with ``join()``: joined ranks shadow the others, bit-equal to DDP's join."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from overlapddp import OverlapDDP
+from tests import models
+from tests.multiprocess import run_ranks
+
+BASE_STEPS = 3
+CASES = [
+    ("cnn_bn", True, ()),
+    ("cnn_bn", False, ()),
+    ("mlp", False, (("bucket_cap_mb", 0.001),)),
+    ("branchy", True, (("find_unused_parameters", True),)),
+]
+
+
+def _train_uneven(wrapper_cls, rank: int, model: str, divide_by_initial: bool, kwargs: dict) -> list[list[torch.Tensor]]:
+    """Rank r trains BASE_STEPS + r steps; returns the state after each of its steps and at the end."""
+    wrapper = wrapper_cls(models.build(model), **kwargs)
+    opt = torch.optim.SGD(wrapper.parameters(), lr=0.1, momentum=0.9)
+    snapshots = []
+    with wrapper.join(divide_by_initial_world_size=divide_by_initial):
+        for step in range(BASE_STEPS + rank):
+            inputs, target = models.batch(model, rank, step)
+            models.loss_of(wrapper(inputs), target).backward()
+            opt.step()
+            opt.zero_grad()
+            snapshots.append([t.clone() for t in wrapper.state_dict().values()])
+    snapshots.append([t.clone() for t in wrapper.state_dict().values()])
+    return snapshots
+
+
+def _compare(rank: int, world_size: int) -> dict[str, list[bool]]:
+    results = {}
+    for model, divide_by_initial, extra in CASES:
+        kwargs = dict(extra)
+        ddp = _train_uneven(DistributedDataParallel, rank, model, divide_by_initial, kwargs)
+        ours = _train_uneven(OverlapDDP, rank, model, divide_by_initial, kwargs)
+        key = f"{model}-divide_by_initial={divide_by_initial}-{extra}"
+        results[key] = [all(torch.equal(a, b) for a, b in zip(x, y)) for x, y in zip(ddp, ours)]
+    return results
+
+
+@functools.cache
+def outcomes(world_size: int) -> list[dict[str, list[bool]]]:
+    return run_ranks(world_size, _compare)
+
+
+@pytest.mark.parametrize("world_size", (2, 3, 4))
+def test_join_with_uneven_inputs_is_bit_equal_to_ddp_every_step_and_after(world_size):
+    for rank, results in enumerate(outcomes(world_size)):
+        for case, equal in results.items():
+            assert len(equal) == BASE_STEPS + rank + 1
+            assert all(equal), f"rank {rank} {case}: {equal}"
+
+
+def _early_termination(rank: int, world_size: int) -> str:
+    wrapper = OverlapDDP(models.build("mlp"))
+    try:
+        with wrapper.join(throw_on_early_termination=True):
+            for step in range(2 + rank):
+                inputs, target = models.batch("mlp", rank, step)
+                models.loss_of(wrapper(inputs), target).backward()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_throw_on_early_termination_raises_on_every_rank():
+    for message in run_ranks(3, _early_termination):
+        assert "exhausted" in message and "inputs" in message
