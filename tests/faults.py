@@ -9,7 +9,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-from overlapddp import bucket_storage, reducer, wrapper
+from overlapddp import bucket_storage, comm_hook, reducer, wrapper
 
 
 def _skip_scaling() -> tuple[object, str, object]:
@@ -70,13 +70,72 @@ def _no_alias_division() -> tuple[object, str, object]:
     return bucket_storage.BucketStorage, "aliases", lambda self, slot, grad: False
 
 
+def _ignore_set_buffer() -> tuple[object, str, object]:
+    """``Bucket.set_buffer`` does nothing: fp16/bf16 wrappers then reduce the float32 buffer."""
+
+    def set_buffer(self, tensor):
+        return None
+
+    return comm_hook.Bucket, "set_buffer", set_buffer
+
+
+def _ignore_hook_result() -> tuple[object, str, object]:
+    """Copy the bucket's own buffer into ``.grad`` instead of the tensor the hook's future holds."""
+    original = reducer.hook_result
+
+    def hook_result(value, hook_name, bucket_index, expected):
+        original(value, hook_name, bucket_index, expected)
+        return expected
+
+    return reducer, "hook_result", hook_result
+
+
+def _hook_not_registered() -> tuple[object, str, object]:
+    """Accept ``register_comm_hook`` and ``_register_builtin_comm_hook`` but keep the default reduction."""
+
+    def set_comm_hook(self, state, hook):
+        return None
+
+    return reducer.Reducer, "set_comm_hook", set_comm_hook
+
+
+def _is_last_never() -> tuple[object, str, object]:
+    """``Bucket.is_last()`` is always False: hooks that count iterations with it never advance."""
+
+    def is_last(self):
+        return False
+
+    return comm_hook.Bucket, "is_last", is_last
+
+
+def _unchained_hooks() -> tuple[object, str, object]:
+    """Start each bucket's hook as soon as it is ready, not after the previous bucket's hook chain."""
+    original = reducer.run_hook
+
+    def run_hook(hook, state, bucket, after):
+        return original(hook, state, bucket, None)
+
+    return reducer, "run_hook", run_hook
+
+
+def _join_ignores_remaining_ranks() -> tuple[object, str, object]:
+    """Under Join, always divide by the initial world size, even when told to count remaining ranks."""
+    return reducer.Reducer, "set_join_count", lambda self, work, divide_by_initial_world_size: None
+
+
 FAULTS = {
+    "join_ignores_remaining_ranks": _join_ignores_remaining_ranks,
     "write_unused_grads": _write_unused_grads,
     "no_alias_division": _no_alias_division,
     "skip_scaling": _skip_scaling,
     "true_division": _true_division,
     "swap_in_bucket": _swap_in_bucket,
     "ignore_no_sync": _ignore_no_sync,
+    "ignore_set_buffer": _ignore_set_buffer,
+    "ignore_hook_result": _ignore_hook_result,
+    "hook_not_registered": _hook_not_registered,
+    "is_last_never": _is_last_never,
+    "unchained_hooks": _unchained_hooks,
 }
 
 

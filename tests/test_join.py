@@ -9,7 +9,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
-from tests import models
+from tests import faults, models
 from tests.multiprocess import run_ranks
 
 BASE_STEPS = 3
@@ -37,12 +37,13 @@ def _train_uneven(wrapper_cls, rank: int, model: str, divide_by_initial: bool, k
     return snapshots
 
 
-def _compare(rank: int, world_size: int) -> dict[str, list[bool]]:
+def _compare(rank: int, world_size: int, cases=CASES, fault: str | None = None) -> dict[str, list[bool]]:
     results = {}
-    for model, divide_by_initial, extra in CASES:
+    for model, divide_by_initial, extra in cases:
         kwargs = dict(extra)
         ddp = _train_uneven(DistributedDataParallel, rank, model, divide_by_initial, kwargs)
-        ours = _train_uneven(OverlapDDP, rank, model, divide_by_initial, kwargs)
+        with faults.injected(fault):
+            ours = _train_uneven(OverlapDDP, rank, model, divide_by_initial, kwargs)
         key = f"{model}-divide_by_initial={divide_by_initial}-{extra}"
         results[key] = [all(torch.equal(a, b) for a, b in zip(x, y)) for x, y in zip(ddp, ours)]
     return results
@@ -59,6 +60,11 @@ def test_join_with_uneven_inputs_is_bit_equal_to_ddp_every_step_and_after(world_
         for case, equal in results.items():
             assert len(equal) == BASE_STEPS + rank + 1
             assert all(equal), f"rank {rank} {case}: {equal}"
+
+
+def test_join_comparison_catches_averaging_over_the_wrong_number_of_ranks():
+    results = run_ranks(3, _compare, [("mlp", False, ())], "join_ignores_remaining_ranks")
+    assert not all(all(equal) for r in results for equal in r.values())
 
 
 def _early_termination(rank: int, world_size: int) -> str:
