@@ -146,6 +146,10 @@ class OverlapDDP(nn.Module, Joinable):
 
     # -- forward ------------------------------------------------------------------------------
 
+    # The wrapper's own bookkeeping and collectives always run eagerly: under
+    # ``torch.compile(OverlapDDP(model))`` only the wrapped module's forward is compiled, which is
+    # what ``OverlapDDP(torch.compile(model))`` does (the form that is bit-equal to DDP's).
+    @torch.compiler.disable(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the wrapped module; a synchronized forward arms the reduction of its backward."""
         with torch.autograd.profiler.record_function("OverlapDDP.forward"):
