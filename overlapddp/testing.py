@@ -62,7 +62,7 @@ class DelayedFence(Fence):
     def launch(self, bucket: int, start: Callable[[], Future]) -> None:
         if self.stage == "launch":
             time.sleep(self.seconds)
-            self.inner.launch(bucket, start)
+            self.inner.launch(bucket, lambda: _after_device_sleep(start, self.seconds))
         else:
             self.inner.launch(bucket, lambda: _resolve_late(start(), self.seconds))
 
@@ -83,6 +83,13 @@ class DelayedFence(Fence):
 
     def abandon(self) -> list[int]:
         return self.inner.abandon()
+
+
+def _after_device_sleep(start: Callable[[], Future], seconds: float) -> Future:
+    """On CUDA also delay the stream the collective is issued on (a sleep kernel before it)."""
+    if torch.cuda.is_available() and torch.cuda.current_stream() != torch.cuda.default_stream():
+        torch.cuda._sleep(int(seconds * 1e9))  # about a cycle per nanosecond: at least ``seconds``
+    return start()
 
 
 def _resolve_late(future: Future, seconds: float) -> Future:
