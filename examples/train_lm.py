@@ -93,7 +93,13 @@ def setup() -> torch.device:
     """Join the process group torchrun describes; one thread and (with CUDA) one GPU per rank."""
     torch.set_num_threads(1)
     if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        local_rank = int(os.environ["LOCAL_RANK"])
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"Local rank {local_rank} needs its own GPU, but {torch.cuda.device_count()} are visible; "
+                "launch at most that many processes per node, or set CUDA_VISIBLE_DEVICES= to train on CPU."
+            )
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
     else:

@@ -30,7 +30,8 @@ def torchrun(script: str, *args: str) -> str:
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         str(EXAMPLES / script), *args,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # Hide GPUs: this is the CPU tier (gloo), and two ranks would need two GPUs.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert result.returncode == 0, (
         f"{' '.join(command)} exited with {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
