@@ -76,10 +76,12 @@ class Reducer:
         # synchronization (no_sync) has accumulated local gradients since the last one.
         self.reductions = 0
         self.local_gradients_since_reduction = False
+        self.check_finite = False  # see _check_finite
         # DDP rebuilds once, from rank 0's gradient-ready order, unless it searches unused
         # parameters on a dynamic graph.
         self._rebuild_pending = options.static_graph or not options.find_unused_parameters
         self._ready_order: list[int] = []
+        self._rebuilt_from: list[int] = []  # rank 0's ready order the current plan was built from
         # True from the first mark_ready of a backward until finalize: an unfinished reduction.
         self._require_finalize = False
         tracks_usage = options.find_unused_parameters or options.static_graph
@@ -149,6 +151,20 @@ class Reducer:
         previous, self._fence = self._fence, fence
         return previous
 
+    def bucket_order(self) -> list[int] | None:
+        """The gradient-ready order the buckets were rebuilt from (None before the rebuild)."""
+        return None if self._rebuild_pending else list(self._rebuilt_from)
+
+    def restore_bucket_order(self, order: list[int] | None) -> None:
+        """Resume with the layout a checkpointed run had, so that its continuation is bit-equal."""
+        if order is None:
+            return
+        self._ensure_prior_reduction_finished()
+        self._rebuild_pending = False
+        self._ready_order = []
+        self._rebuilt_from = list(order)
+        self._install_plan(rebuilt_plan(self.params, self._sparse_gradient, self._caps, order))
+
     def set_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Reduce every bucket with ``hook(state, bucket)`` instead of the scaled sum."""
         if self._comm_hook is not None:
@@ -165,7 +181,8 @@ class Reducer:
             dist.broadcast(order, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
             self._rebuild_pending = False
             self._ready_order = []
-            self._install_plan(rebuilt_plan(self.params, self._sparse_gradient, self._caps, order.tolist()))
+            self._rebuilt_from = order.tolist()
+            self._install_plan(rebuilt_plan(self.params, self._sparse_gradient, self._caps, self._rebuilt_from))
             if self.options.gradient_as_bucket_view:
                 for storage in self._storages:
                     with torch.no_grad():
@@ -173,6 +190,14 @@ class Reducer:
                             if param.grad is not None:
                                 view.copy_(param.grad)
                     storage.point_grads_at_views()
+
+    def check_not_in_backward(self) -> None:
+        """A forward from inside backward (a hook) would interleave its collectives with the buckets'."""
+        if torch._C._current_graph_task_id() != -1 and self.in_flight():
+            raise RuntimeError(
+                f"forward() was called during backward on rank {self.rank} while buckets {self.in_flight()} "
+                "are being reduced; run the next forward after loss.backward() has returned."
+            )
 
     def prepare_for_backward(self, outputs: Sequence[torch.Tensor] = ()) -> None:
         """A synchronized forward ran: the next backward's gradients are to be reduced.
@@ -291,6 +316,8 @@ class Reducer:
         return int(work.result()[0].item())
 
     def _launch(self, index: int) -> None:
+        if self.check_finite:
+            self._check_finite(index)
         storage = self._storages[index]
         bucket = self._bucket(index, storage.buffer)
         self._fence.produced(index, storage.buffer)
@@ -341,7 +368,7 @@ class Reducer:
             for index, storage in enumerate(self._storages):
                 if self._skipped(index):
                     continue
-                value = self._fence.complete(index)
+                value = self._complete(index)
                 write = [self._globally_used(i) for i in self.plan.buckets[index]]
                 result = hook_result(value, hook_name, index, storage.buffer)
                 storage.copy_out(result, write, as_view=self.options.gradient_as_bucket_view)
@@ -361,6 +388,38 @@ class Reducer:
         self.local_gradients_since_reduction = False
         self._require_finalize = False
         self.state = ReducerState.IDLE
+
+    def _complete(self, index: int) -> object:
+        """The bucket's reduced value, or an error that says which bucket and rank failed."""
+        try:
+            return self._fence.complete(index)
+        except Exception as error:
+            members = self.plan.buckets[index]
+            names = ", ".join(self.names[i] for i in members[:4]) + (", ..." if len(members) > 4 else "")
+            raise RuntimeError(
+                f"The reduction of bucket {index} ({len(members)} parameters: {names}) failed on rank "
+                f"{self.rank}: {error}. Another rank may have died or timed out. This iteration's gradients "
+                "were not reduced; the process group may no longer be usable."
+            ) from error
+
+    def _check_finite(self, index: int) -> None:
+        """Before bucket ``index`` is reduced, make every rank stop if any rank's gradients there are
+        not finite, naming those ranks and parameters (one extra all-reduce per bucket; a debug option)."""
+        storage = self._storages[index]
+        bad = [self.names[i] for i, p in zip(self.plan.buckets[index], storage.params)
+               if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+        count = torch.tensor([len(bad)], device=storage.buffer.device)
+        dist.all_reduce(count, group=self.process_group)
+        if count.item() == 0:
+            return
+        everyone: list[list[str] | None] = [None] * self.process_group.size()
+        dist.all_gather_object(everyone, bad, group=self.process_group)
+        found = "; ".join(f"rank {r}: {', '.join(names)}" for r, names in enumerate(everyone) if names)
+        self._abandon()
+        raise FloatingPointError(
+            f"Non-finite gradients (NaN or Inf) in bucket {index} before its reduction ({found}). "
+            "Nothing was reduced, so no rank received them; the wrapper has been reset."
+        )
 
     # -- errors -------------------------------------------------------------------------------
 

@@ -153,6 +153,7 @@ class OverlapDDP(nn.Module, Joinable):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the wrapped module; a synchronized forward arms the reduction of its backward."""
         with torch.autograd.profiler.record_function("OverlapDDP.forward"):
+            self._reducer.check_not_in_backward()
             grad_enabled = torch.is_grad_enabled()
             joining = self._join_config.enable
             work = Join.notify_join_context(self)
@@ -254,6 +255,21 @@ class OverlapDDP(nn.Module, Joinable):
         log = FenceLog()
         self._reducer.fence.log = log
         return log
+
+    def check_nonfinite_gradients(self, enabled: bool = True) -> None:
+        """Debug option: stop every rank, naming the ranks and parameters, when a gradient is NaN or
+        Inf, before its bucket is reduced (costs one small all-reduce per bucket)."""
+        self._reducer.check_finite = enabled
+
+    def bucket_state(self) -> dict[str, Any]:
+        """What a checkpoint needs, beside ``state_dict()``, to resume bit-exactly: the bucket layout."""
+        return {"ready_order": self._reducer.bucket_order()}
+
+    def load_bucket_state(self, state: dict[str, Any]) -> None:
+        """Adopt a checkpoint's bucket layout (call before the first forward after resuming)."""
+        if not isinstance(state, dict) or "ready_order" not in state:
+            raise ValueError(f"Expected the dict returned by bucket_state(), got {state!r}.")
+        self._reducer.restore_bucket_order(state["ready_order"])
 
     @property
     def _has_rebuilt_buckets(self) -> bool:
