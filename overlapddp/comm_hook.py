@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks
 from torch.futures import Future
 
 CommHook = Callable[[Any, "Bucket"], Future]
@@ -69,6 +70,18 @@ def allreduce_sum(process_group: dist.ProcessGroup, bucket: Bucket) -> Future:
     return work.get_future()
 
 
+# Stock hooks that issue at most one collective, from the call itself and none from callbacks:
+# their buckets need no chaining (see [Note: one hook chain at a time]) and keep full overlap.
+UNCHAINED_HOOKS = frozenset(
+    {
+        default_hooks.allreduce_hook,
+        default_hooks.fp16_compress_hook,
+        default_hooks.bf16_compress_hook,
+        debugging_hooks.noop_hook,
+    }
+)
+
+
 def run_hook(hook: CommHook, state: Any, bucket: Bucket, after: Future | None) -> Future:
     """Start ``hook(state, bucket)`` once ``after``, the previous bucket's hook future, is done.
 
@@ -80,7 +93,8 @@ def run_hook(hook: CommHook, state: Any, bucket: Bucket, after: Future | None) -
     with more than one bucket). Waiting for the previous chain to finish before starting the next
     makes the issue order the bucket order on every rank. The wait is on the host only (no stream
     is synchronized) and swallows the previous bucket's error, which finalize reports for that
-    bucket. The default reduction (one collective, no callbacks) does not come here.
+    bucket. The default reduction and the hooks in ``UNCHAINED_HOOKS`` (one collective, issued by
+    the call itself) are never chained.
     """
     if after is not None:
         done = threading.Event()

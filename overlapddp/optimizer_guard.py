@@ -9,7 +9,7 @@ another stream than backward still reads final values.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from overlapddp.bucket_plan import BucketCaps, BucketPlan, initial_plan, rebuilt_plan
 from overlapddp.bucket_storage import BucketStorage
-from overlapddp.comm_hook import Bucket, CommHook, allreduce_sum, hook_result, run_hook
+from overlapddp.comm_hook import UNCHAINED_HOOKS, Bucket, CommHook, allreduce_sum, hook_result, run_hook
 from overlapddp.fence import Fence
 from overlapddp.param_usage import UsageMap, grad_accumulators, unreachable
 
@@ -67,7 +67,6 @@ class Reducer:
         self.options = options
         self._comm_hook: tuple[Any, CommHook] | None = None
         self.state = ReducerState.IDLE
-        # DDP rebuilds once, from rank 0's gradient-ready order, unless it searches unused parameters.
         self._scale: float | None = None  # set per backward by prepare_for_backward
         self._divide_by = 1  # likewise: the world size, or the ranks still training under Join
         self._hook_future: torch.futures.Future | None = None  # last hook chain started, see _start_reduction
@@ -338,7 +337,8 @@ class Reducer:
         # Hook chains run one bucket at a time, see [Note: one hook chain at a time] in
         # comm_hook.py: bucket b's hook starts once bucket b-1's future (kept here from the
         # previous start of this iteration; finalize consumes it through the fence) is done.
-        after = self._hook_future if bucket.index() > 0 else None
+        chained = bucket.index() > 0 and hook not in UNCHAINED_HOOKS
+        after = self._hook_future if chained else None
         self._hook_future = run_hook(hook, state, bucket, after)
         return self._hook_future
 

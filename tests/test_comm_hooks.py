@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 import threading
 import time
 
@@ -268,17 +267,6 @@ def test_hook_chains_run_one_bucket_at_a_time():
 # -- registration checks, in one process ----------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def single_rank_group():
-    """A one-rank gloo group in the test process, so both wrappers can be constructed."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(os.environ, "GLOO_SOCKET_IFNAME", "lo")
-        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-        yield
-        dist.destroy_process_group()
-
-
 def _annotated(bucket=inspect.Parameter.empty, returns=inspect.Signature.empty):
     """A hook annotated with these objects (built by hand: this module's annotations are strings)."""
 
@@ -305,7 +293,7 @@ BAD_REGISTRATIONS = {
 
 
 @pytest.mark.parametrize("case", list(BAD_REGISTRATIONS))
-def test_register_rejects_what_ddp_rejects_with_the_same_exception_type(single_rank_group, case):
+def test_register_rejects_what_ddp_rejects_with_the_same_exception_type(one_rank, case):
     hook, expected = BAD_REGISTRATIONS[case]
     with pytest.raises(expected):
         DistributedDataParallel(models.build("mlp")).register_comm_hook(None, hook)
@@ -313,12 +301,12 @@ def test_register_rejects_what_ddp_rejects_with_the_same_exception_type(single_r
         OverlapDDP(models.build("mlp")).register_comm_hook(None, hook)
 
 
-def test_hook_without_bucket_parameter_error_is_also_a_type_error(single_rank_group):
+def test_hook_without_bucket_parameter_error_is_also_a_type_error(one_rank):
     with pytest.raises(TypeError, match="bucket"):
         OverlapDDP(models.build("mlp")).register_comm_hook(None, _no_bucket_parameter)
 
 
-def test_correctly_annotated_hook_is_accepted(single_rank_group):
+def test_correctly_annotated_hook_is_accepted(one_rank):
     hook = _annotated(bucket=dist.GradBucket, returns=torch.futures.Future[torch.Tensor])
     DistributedDataParallel(models.build("mlp")).register_comm_hook(None, hook)
     OverlapDDP(models.build("mlp")).register_comm_hook(None, hook)
@@ -333,7 +321,7 @@ def _register(wrapper: torch.nn.Module, how: str) -> None:
 
 @pytest.mark.parametrize("first", ["hook", "builtin"])
 @pytest.mark.parametrize("second", ["hook", "builtin"])
-def test_registering_twice_raises_like_ddp(single_rank_group, first, second):
+def test_registering_twice_raises_like_ddp(one_rank, first, second):
     for cls in (DistributedDataParallel, OverlapDDP):
         wrapper = cls(models.build("mlp"))
         _register(wrapper, first)
@@ -341,7 +329,7 @@ def test_registering_twice_raises_like_ddp(single_rank_group, first, second):
             _register(wrapper, second)
 
 
-def test_bf16_compress_hook_is_accepted_on_gloo(single_rank_group):
+def test_bf16_compress_hook_is_accepted_on_gloo(one_rank):
     OverlapDDP(models.build("mlp")).register_comm_hook(None, default_hooks.bf16_compress_hook)
     wrapped = default_hooks.bf16_compress_wrapper(default_hooks.allreduce_hook)
     OverlapDDP(models.build("mlp")).register_comm_hook(None, wrapped)

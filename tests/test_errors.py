@@ -5,9 +5,6 @@ The README's error table lists these cases; each row is a test here (or in the f
 
 from __future__ import annotations
 
-import os
-from datetime import timedelta
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,16 +13,6 @@ from torch import nn
 from overlapddp import OverlapDDP
 from tests import models
 from tests.multiprocess import run_ranks
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    """A real one-rank gloo group in this process, for errors that need no peer."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
-    yield
-    dist.destroy_process_group()
 
 
 def test_no_process_group_says_how_to_create_one():

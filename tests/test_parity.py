@@ -41,6 +41,7 @@ SCENARIOS = [
     Scenario("transformer", "adam", None, ddp_kwargs=STATIC),
     Scenario("checkpointed", "sgd", 0.001, ddp_kwargs=STATIC),
     Scenario("mlp", "sgd", 0.001, ddp_kwargs=(("batched_grad_copy", True),)),
+    Scenario("transformer", "sgd", None, ddp_kwargs=(("bucket_cap_mb_list", (0.001, 0.004)),)),
 ]
 
 WORLD_SIZES = (2, 3, 4)

@@ -8,6 +8,7 @@ import os
 import random
 import time
 
+import pytest
 import torch
 
 from overlapddp import OverlapDDP
@@ -35,7 +36,7 @@ def _rank_dies_mid_step(rank: int, world_size: int) -> dict[str, object]:
 def test_survivors_of_a_dead_rank_raise_naming_the_bucket_within_the_timeout():
     results = run_ranks(3, _rank_dies_mid_step, pg_timeout_s=20, timeout_s=120, dying=frozenset({2}))
     for rank, facts in enumerate(results[:2]):
-        assert f"The reduction of bucket 0" in facts["message"] and f"failed on rank {rank}" in facts["message"]
+        assert "The reduction of bucket 0" in facts["message"] and f"failed on rank {rank}" in facts["message"]
         assert facts["seconds"] < 60
 
 
@@ -87,19 +88,19 @@ def test_checkpoint_resume_is_bit_equal_to_an_uninterrupted_run():
         assert not all(outcome["restore_buckets=False"])
 
 
-def _lagging(rank: int, world_size: int, seed: int) -> list[bool]:
+def _lagging(rank: int, world_size: int, seed: int, model: str, steps: int, max_delay: float) -> list[bool]:
     from torch.nn.parallel import DistributedDataParallel
 
     chooser = random.Random(seed)  # the same draws on every rank
-    ddp = DistributedDataParallel(models.build("cnn_bn"), bucket_cap_mb=0.001)
-    ours = OverlapDDP(models.build("cnn_bn"), bucket_cap_mb=0.001)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, ours)]
+    ddp = DistributedDataParallel(models.build(model), bucket_cap_mb=0.001)
+    ours = OverlapDDP(models.build(model), bucket_cap_mb=0.001)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (ddp, ours)]
     equal = []
-    for step in range(8):
+    for step in range(steps):
         late_rank = chooser.randrange(world_size)
-        delay = chooser.uniform(0.0, 0.02)
+        delay = chooser.uniform(0.0, max_delay)
         stage = chooser.choice(["launch", "completion"])
-        inputs, target = models.batch("cnn_bn", rank, step)
+        inputs, target = models.batch(model, rank, step)
         with delay_communication(ours, late_rank, delay, stage):
             for wrapper, opt in zip((ddp, ours), optimizers):
                 models.loss_of(wrapper(inputs), target).backward()
@@ -110,5 +111,11 @@ def _lagging(rank: int, world_size: int, seed: int) -> list[bool]:
 
 
 def test_randomly_lagging_ranks_change_nothing():
-    for equal in run_ranks(3, _lagging, 7):
+    for equal in run_ranks(3, _lagging, 7, "cnn_bn", 8, 0.02):
         assert equal == [True] * 8
+
+
+@pytest.mark.slow
+def test_soak_500_steps_with_random_delays_on_random_ranks_stays_bit_equal_to_ddp():
+    for equal in run_ranks(3, _lagging, 11, "mlp", 500, 0.005):
+        assert equal == [True] * 500, f"first difference at step {equal.index(False)}"

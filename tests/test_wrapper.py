@@ -48,7 +48,7 @@ def _contract_checks(rank: int, world_size: int) -> dict[str, object]:
     torch.manual_seed(rank)
     net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     net[1].running_mean.fill_(float(rank))
-    wrapped = OverlapDDP(net)
+    OverlapDDP(net)
     gathered = [torch.empty(4) for _ in range(world_size)]
     torch.distributed.all_gather(gathered, net[0].bias.detach().clone())
     facts["params_synced"] = all(torch.equal(gathered[0], g) for g in gathered)
@@ -175,3 +175,11 @@ def test_mismatched_parameter_shapes_raise_on_every_rank_naming_parameter_and_ra
     for message in run_ranks(3, _mismatched_shapes):
         assert "parameter 0 differs" in message and "0.weight" in message
         assert "rank 1 has 0.weight with shape [5, 4]" in message
+
+
+def test_gradient_as_bucket_view_makes_gradients_views_of_the_buckets(one_rank):
+    model = OverlapDDP(models.build("mlp"), gradient_as_bucket_view=True)
+    inputs, target = models.batch("mlp", 0, 0)
+    models.loss_of(model(inputs), target).backward()
+    buckets = {s.buffer.untyped_storage().data_ptr() for s in model._reducer._storages}
+    assert all(p.grad.untyped_storage().data_ptr() in buckets for p in model.parameters())
