@@ -8,6 +8,7 @@ import inspect
 import pytest
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
@@ -83,6 +84,14 @@ def _contract_checks(rank: int, world_size: int) -> dict[str, object]:
     facts["train_returns_self"] = ours.train() is ours and ours.module.training
     dict_out = OverlapDDP(_DictOut())(torch.ones(2, 3))
     facts["dict_output_kept"] = isinstance(dict_out, dict) and set(dict_out) == {"y", "aux"}
+
+    # A 1-D device mesh stands for its process group.
+    mesh = init_device_mesh("cpu", (world_size,))
+    on_mesh = OverlapDDP(nn.Linear(3, 3), device_mesh=mesh)
+    on_mesh(torch.full((1, 3), float(rank))).sum().backward()
+    grads = [torch.empty(3, 3) for _ in range(world_size)]
+    torch.distributed.all_gather(grads, on_mesh.module.weight.grad)
+    facts["device_mesh_reduces"] = all(torch.equal(grads[0], g) for g in grads)
     return facts
 
 
@@ -117,7 +126,9 @@ def test_state_dict_is_interchangeable_with_ddp(fact):
     assert all(f[fact] for f in contract_facts())
 
 
-@pytest.mark.parametrize("fact", ["eval_returns_self", "forward_unchanged", "train_returns_self", "dict_output_kept"])
+@pytest.mark.parametrize(
+    "fact", ["eval_returns_self", "forward_unchanged", "train_returns_self", "dict_output_kept", "device_mesh_reduces"]
+)
 def test_module_behaviour_is_passed_through(fact):
     assert all(f[fact] for f in contract_facts())
 
