@@ -24,6 +24,7 @@ import torch
 from torch.futures import Future
 
 EDGE_ORDER = ("produced", "launched", "completed", "consumed")
+BACKWARD_END = "backward end"  # not a bucket edge: when the end-of-backward callback started
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class FenceLog:
         seen: dict[tuple[int, int], list[str]] = {}
         busy: dict[int, tuple[int, int]] = {}  # buffer -> (iteration, bucket) of an uncompleted launch
         for e in self.edges:
+            if e.edge == BACKWARD_END:
+                continue
             history = seen.setdefault((e.iteration, e.bucket), [])
             expected = EDGE_ORDER[len(history)] if len(history) < len(EDGE_ORDER) else None
             if e.edge != expected and not (e.edge == "consumed" and history[-1:] == ["consumed"]):
@@ -125,6 +128,10 @@ class Fence:
     def consumed(self, bucket: int, consumer: str) -> None:
         """Edge 4: a reader used the completed result (logged only; completion already ordered it)."""
         self._record(bucket, "consumed", consumer)
+
+    def backward_ended(self) -> None:
+        """Mark when backward's compute ended (the finalize callback started), for timelines."""
+        self._record(-1, BACKWARD_END, "autograd engine")
 
     def end_iteration(self) -> None:
         """Every bucket of this iteration was completed and consumed."""

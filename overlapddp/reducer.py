@@ -319,8 +319,9 @@ class Reducer:
             self._check_finite(index)
         storage = self._storages[index]
         bucket = self._bucket(index, storage.buffer)
-        self._fence.produced(index, storage.buffer)
-        self._fence.launch(index, lambda: self._start_reduction(bucket))
+        with torch.autograd.profiler.record_function(f"overlapddp.bucket_{index}.launch"):
+            self._fence.produced(index, storage.buffer)
+            self._fence.launch(index, lambda: self._start_reduction(bucket))
 
     def _bucket(self, index: int, buffer: torch.Tensor) -> Bucket:
         storage = self._storages[index]
@@ -363,16 +364,18 @@ class Reducer:
     def finalize(self) -> None:
         """Complete every bucket in order and write the reduced values into ``param.grad``."""
         self.state = ReducerState.FINALIZING
+        self._fence.backward_ended()
         hook_name = "allreduce (default)" if self._comm_hook is None else _qualname(self._comm_hook[1])
         try:
             for index, storage in enumerate(self._storages):
                 if self._skipped(index):
                     continue
-                value = self._complete(index)
-                write = [self._globally_used(i) for i in self.plan.buckets[index]]
-                result = hook_result(value, hook_name, index, storage.buffer)
-                storage.copy_out(result, write, as_view=self.options.gradient_as_bucket_view)
-                self._fence.consumed(index, "copy to param.grad")
+                with torch.autograd.profiler.record_function(f"overlapddp.bucket_{index}.complete"):
+                    value = self._complete(index)
+                    write = [self._globally_used(i) for i in self.plan.buckets[index]]
+                    result = hook_result(value, hook_name, index, storage.buffer)
+                    storage.copy_out(result, write, as_view=self.options.gradient_as_bucket_view)
+                    self._fence.consumed(index, "copy to param.grad")
             if self._usage is not None:
                 self._usage.settle()
         except BaseException:

@@ -72,6 +72,9 @@ class DelayedFence(Fence):
     def consumed(self, bucket: int, consumer: str) -> None:
         self.inner.consumed(bucket, consumer)
 
+    def backward_ended(self) -> None:
+        self.inner.backward_ended()
+
     def end_iteration(self) -> None:
         self.inner.end_iteration()
 

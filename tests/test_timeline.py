@@ -1,0 +1,54 @@
+"""Bucket timelines: edge times in order, exposed communication visible when a rank's reductions lag."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from overlapddp import OverlapDDP
+from overlapddp.testing import delay_communication
+from overlapddp.timeline import bucket_spans, chrome_trace, summarize
+from tests import models
+from tests.multiprocess import run_ranks
+
+DELAY_S = 0.05
+
+
+def _timeline(rank: int, world_size: int) -> dict[str, object]:
+    model = OverlapDDP(models.build("mlp"), bucket_cap_mb=0.001)
+    log = model.record_fences()
+    with delay_communication(model, rank=1, seconds=DELAY_S, stage="completion"):
+        for step in range(3):
+            inputs, target = models.batch("mlp", rank, step)
+            models.loss_of(model(inputs), target).backward()
+    spans = bucket_spans(log)
+    return {
+        "ordered": all(s.ready <= s.launched <= s.completed <= s.consumed for s in spans),
+        "buckets_per_iteration": [len([s for s in spans if s.iteration == it]) for it in range(3)],
+        "exposed": [s.exposed_communication_s for s in summarize(log)],
+        "last_ready": [s.last_ready_bucket for s in summarize(log)],
+        "trace": json.dumps(chrome_trace(log)),
+    }
+
+
+def test_timeline_orders_edges_and_shows_exposed_communication_of_a_lagging_rank():
+    ranks = run_ranks(2, _timeline)
+    for facts in ranks:
+        assert facts["ordered"]
+        assert facts["buckets_per_iteration"][0] == 1 and facts["buckets_per_iteration"][1] > 1
+        trace = json.loads(facts["trace"])["traceEvents"]
+        assert any(e["name"] == "backward end" for e in trace) and any("reducing" in e["name"] for e in trace)
+    # Rank 1's futures resolve DELAY_S late, so its communication outlasts its backward by at least that.
+    assert all(exposed >= DELAY_S * 0.9 for exposed in ranks[1]["exposed"])
+    # The last bucket to become ready is the last one in the (rebuilt) launch order.
+    assert ranks[0]["last_ready"][1:] == [ranks[0]["buckets_per_iteration"][1] - 1] * 2
+
+
+def test_profiler_shows_bucket_ranges(one_rank):
+    model = OverlapDDP(models.build("mlp"))
+    inputs, target = models.batch("mlp", 0, 0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        models.loss_of(model(inputs), target).backward()
+    names = {e.name for e in prof.events()}
+    assert "overlapddp.bucket_0.launch" in names and "overlapddp.bucket_0.complete" in names
