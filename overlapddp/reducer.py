@@ -23,6 +23,7 @@ from overlapddp.bucket_storage import BucketStorage
 from overlapddp.comm_hook import UNCHAINED_HOOKS, Bucket, CommHook, allreduce_sum, hook_result, run_hook
 from overlapddp.fence import Fence
 from overlapddp.param_usage import UsageMap, grad_accumulators, unreachable
+from overlapddp.token_weighting import TokenCount
 
 
 class ReducerState(enum.Enum):
@@ -68,7 +69,9 @@ class Reducer:
         self._comm_hook: tuple[Any, CommHook] | None = None
         self.state = ReducerState.IDLE
         self._scale: float | None = None  # set per backward by prepare_for_backward
-        self._divide_by = 1  # likewise: the world size, or the ranks still training under Join
+        # Likewise: the world size, the ranks still training under Join, or (None until the first
+        # fill) the global token count.
+        self._divide_by: float | None = 1
         self._hook_future: torch.futures.Future | None = None  # last hook chain started, see _start_reduction
         self._join_count: dist.Work | None = None  # set per forward under Join, see set_join_count
         # Read by the optimizer guard: completed reductions so far, and whether a backward outside
@@ -76,6 +79,7 @@ class Reducer:
         self.reductions = 0
         self.local_gradients_since_reduction = False
         self.check_finite = False  # see _check_finite
+        self.tokens: TokenCount | None = None  # token-weighted reduction, see enable_token_weighting
         # DDP rebuilds once, from rank 0's gradient-ready order, unless it searches unused
         # parameters on a dynamic graph.
         self._rebuild_pending = options.static_graph or not options.find_unused_parameters
@@ -164,8 +168,18 @@ class Reducer:
         self._rebuilt_from = list(order)
         self._install_plan(rebuilt_plan(self.params, self._sparse_gradient, self._caps, order))
 
+    def enable_token_weighting(self) -> TokenCount:
+        """Divide by the global token count instead of the world size (see token_weighting.py)."""
+        if self._comm_hook is not None:
+            raise RuntimeError("Token-weighted reduction cannot be combined with a communication hook.")
+        if self.tokens is None:
+            self.tokens = TokenCount(self._storages[0].buffer.device)
+        return self.tokens
+
     def set_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Reduce every bucket with ``hook(state, bucket)`` instead of the scaled sum."""
+        if self.tokens is not None:
+            raise RuntimeError("A communication hook cannot be combined with token-weighted reduction.")
         if self._comm_hook is not None:
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
         self._comm_hook = (state, hook)
@@ -209,6 +223,9 @@ class Reducer:
         no_scaling = self._comm_hook is not None or self.options.batched_grad_copy
         self._divide_by = self._divisor()
         self._scale = None if no_scaling else 1.0 / self._divide_by
+        if self.tokens is not None:
+            self.tokens.launch(self.process_group)  # overlaps backward; waited at the first fill
+            self._divide_by = None
         if self._dynamic_unused:
             self._unused = unreachable(outputs, self._accumulators)
         self.state = ReducerState.BACKWARD
@@ -290,6 +307,9 @@ class Reducer:
         storage = self._storages[index]
         no_hook = self._comm_hook is None
         batched = self.options.batched_grad_copy
+        if self._divide_by is None:  # token weighting: the global count is needed from here on
+            self._divide_by = self.tokens.total(self.rank)
+            self._scale = None if batched else 1.0 / self._divide_by
         storage.copy_in(
             [p.grad for p in storage.params],
             self._scale,

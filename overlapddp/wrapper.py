@@ -256,6 +256,18 @@ class OverlapDDP(nn.Module, Joinable):
         self._reducer.fence.log = log
         return log
 
+    def count_tokens(self, tokens: int) -> None:
+        """Token-weighted reduction: call once per micro-batch, before its forward, with its token
+        count, and backpropagate the SUM of its token losses; the reduced gradient is then that of
+        the global per-token mean loss. The first call switches the wrapper to this mode.
+
+        Example::
+
+            >>> model.count_tokens(int(mask.sum()))
+            >>> loss = F.cross_entropy(model(x)[mask], y[mask], reduction="sum"); loss.backward()
+        """
+        self._reducer.enable_token_weighting().add(tokens)
+
     def check_nonfinite_gradients(self, enabled: bool = True) -> None:
         """Debug option: stop every rank, naming the ranks and parameters, when a gradient is NaN or
         Inf, before its bucket is reduced (costs one small all-reduce per bucket)."""
