@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -80,6 +80,9 @@ class Reducer:
         self.local_gradients_since_reduction = False
         self.check_finite = False  # see _check_finite
         self.tokens: TokenCount | None = None  # token-weighted reduction, see enable_token_weighting
+        # Called in finalize with each bucket's parameters once its gradients are written, while
+        # later buckets may still be reducing: the overlapped optimizer's per-bucket update.
+        self.after_bucket_reduced: Callable[[list[torch.Tensor]], None] | None = None
         # DDP rebuilds once, from rank 0's gradient-ready order, unless it searches unused
         # parameters on a dynamic graph.
         self._rebuild_pending = options.static_graph or not options.find_unused_parameters
@@ -396,6 +399,8 @@ class Reducer:
                     result = hook_result(value, hook_name, index, storage.buffer)
                     storage.copy_out(result, write, as_view=self.options.gradient_as_bucket_view)
                     self._fence.consumed(index, "copy to param.grad")
+                if self.after_bucket_reduced is not None:
+                    self.after_bucket_reduced(storage.params)
             if self._usage is not None:
                 self._usage.settle()
         except BaseException:

@@ -24,6 +24,7 @@ from overlapddp.fence import FenceLog, fence_for
 from overlapddp.join import OverlapJoinHook, announce_backward_sync, common_rank
 from overlapddp.module_sync import broadcast_coalesced, verify_same_parameters
 from overlapddp.optimizer_guard import OptimizerGuard
+from overlapddp.optimizer_overlap import OverlappedOptimizer
 from overlapddp.param_usage import tensors_in
 from overlapddp.reducer import Reducer, ReducerOptions
 
@@ -236,8 +237,11 @@ class OverlapDDP(nn.Module, Joinable):
         overlap: bool = False,
         strict: bool = False,
         allow_unsynced: bool = False,
-    ) -> OptimizerGuard:
+    ) -> OptimizerGuard | OverlappedOptimizer:
         """Guard ``optimizer``: its ``step()`` and ``zero_grad()`` only touch complete, reduced, fresh gradients.
+
+        With ``overlap=True`` each bucket's update runs as soon as that bucket is reduced, while later
+        buckets are still reducing; ``step()`` then returns once all updates are done (SGD, Adam, AdamW).
 
         Example::
 
@@ -245,9 +249,7 @@ class OverlapDDP(nn.Module, Joinable):
             >>> loss.backward(); optimizer.step()       # raises if a gradient is stale or in flight
         """
         if overlap:
-            raise NotImplementedError(
-                "attach_optimizer(overlap=True) is not implemented yet; the guarded step runs after backward."
-            )
+            return OverlappedOptimizer(self._reducer, optimizer)
         return OptimizerGuard(self._reducer, optimizer, strict=strict, allow_unsynced=allow_unsynced)
 
     def record_fences(self) -> FenceLog:
