@@ -84,3 +84,25 @@ def test_train_lm_require_backward_grad_sync_accumulation_matches_ddp():
     assert "OverlapDDP(TinyLM" in ours and "DistributedDataParallel(TinyLM" in theirs
     assert set(losses(ours)) == {0, 1}, ours
     assert losses(ours) == pytest.approx(losses(theirs), abs=1e-3)
+
+
+def test_comm_hook_powersgd_compresses_every_bucket_from_step_two():
+    """Three steps, since ``start_powerSGD_iter=2`` makes steps 0 and 1 plain all-reduces; resnet18's
+    11 buckets at ``bucket_cap_mb=1`` must all be compressed (stock DDP on gloo dies at step 2)."""
+    stdout = torchrun("comm_hook_powersgd.py", "--steps", "3")
+    assert "OverlapDDP(resnet18) + powerSGD_hook" in stdout, stdout
+    assert set(losses(stdout)) == {0, 1, 2}, stdout
+    counters = re.search(r"^PowerSGD: iteration (\d+), (\d+) buckets compressed", stdout, re.MULTILINE)
+    assert counters is not None, stdout
+    iteration, buckets = map(int, counters.groups())
+    assert iteration == 3 and buckets > 1, stdout
+
+
+def test_race_demo_fenced_matches_ddp_and_unfenced_does_not():
+    stdout = torchrun("race_demo.py", "--steps", "2")
+    fenced = re.findall(r"^step \d+: fenced equal=(\w+) max_abs_diff=(\S+) \|", stdout, re.MULTILINE)
+    assert fenced == [("True", "0.000e+00")] * 2, stdout
+    assert "fenced: matches DDP" in stdout.splitlines(), stdout
+    # The test-only unfenced mode reads gradients before their all-reduce completes.
+    assert "unfenced: WRONG weights" in stdout, stdout
+    assert re.search(r"^step 1: .*\| unfenced equal=False", stdout, re.MULTILINE), stdout
