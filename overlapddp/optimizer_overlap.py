@@ -23,7 +23,13 @@ PER_PARAMETER_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW
 class OverlappedOptimizer:
     """Runs ``optimizer``'s update of each bucket right after the bucket is reduced."""
 
-    def __init__(self, reducer: Reducer, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self,
+        reducer: Reducer,
+        optimizer: torch.optim.Optimizer,
+        max_grad_norm: float | None = None,
+        norm_type: float = 2.0,
+    ) -> None:
         if type(optimizer) not in PER_PARAMETER_OPTIMIZERS:
             raise ValueError(
                 f"{type(optimizer).__name__} cannot be overlapped bucket by bucket; overlap supports "
@@ -32,17 +38,31 @@ class OverlappedOptimizer:
             )
         if any(group.get("fused") for group in optimizer.param_groups):
             raise ValueError("A fused optimizer updates all parameters in one kernel; create it with fused=False.")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm!r}.")
         self._reducer = reducer
         self.optimizer = optimizer
+        self.max_grad_norm = max_grad_norm
+        self.norm_type = float(norm_type)
         self._update = optimizer.step  # the real step, called per bucket
         self._stepped_at = 0  # reducer.reductions the user's step() has acknowledged
+        # Per-parameter gradient norms of the buckets reduced so far in this backward (clipping only).
+        self._norms: dict[int, torch.Tensor] = {}
+        # Version counter of each gradient after the updates: a later in-place change (a user's
+        # clip_grad_norm_ or GradScaler.unscale_) could not be honored and is reported at step().
+        self._versions: list[tuple[torch.Tensor, int]] = []
         optimizer.step = self._step  # type: ignore[method-assign]
-        reducer.after_bucket_reduced = self._update_bucket
+        if max_grad_norm is None:
+            reducer.after_bucket_reduced = self._update_bucket
+        else:
+            reducer.after_bucket_reduced = self._measure_bucket
+        reducer.after_all_reduced = self._finish
 
     def detach(self) -> None:
         """Give the optimizer its own ``step()`` back and stop updating during backward."""
         self.optimizer.step = self._update  # type: ignore[method-assign]
         self._reducer.after_bucket_reduced = None
+        self._reducer.after_all_reduced = None
 
     def _update_bucket(self, params: list[torch.Tensor]) -> None:
         """Step the optimizer with every gradient but this bucket's hidden (it skips params without grad)."""
@@ -59,10 +79,49 @@ class OverlappedOptimizer:
             for p, grad in hidden:
                 p.grad = grad
 
+    def _measure_bucket(self, params: list[torch.Tensor]) -> None:
+        """Clipping needs the total norm first: compute this bucket's share while others reduce."""
+        with torch.no_grad():
+            grads = [p for p in params if p.grad is not None]
+            for p, norm in zip(grads, torch._foreach_norm([p.grad for p in grads], self.norm_type)):
+                self._norms[id(p)] = norm
+
+    def _finish(self) -> None:
+        """After the last bucket: clip exactly as ``clip_grad_norm_`` would, then update (clipping only),
+        and remember every gradient's version to catch later in-place changes."""
+        if self.max_grad_norm is not None:
+            self._clip_and_update()
+        self._versions = [(p.grad, p.grad._version) for p in self._reducer.params if p.grad is not None]
+
+    def _clip_and_update(self) -> None:
+        with torch.no_grad():
+            groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+            for p in self._reducer.params:
+                if p.grad is not None:
+                    groups.setdefault((p.grad.device, p.grad.dtype), []).append(p)
+            norms = [self._norms[id(p)] for members in groups.values() for p in members]
+            self._norms = {}
+            if norms:
+                first_device = norms[0].device
+                total = torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), self.norm_type)
+                coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+                for (device, _), members in groups.items():
+                    torch._foreach_mul_([p.grad for p in members], coef.to(device))
+        self._update()
+
     def _step(self, closure: Any = None) -> None:
         """Return once every bucket's update has run (they run during backward's end)."""
         if closure is not None:
             raise NotImplementedError("An overlapped optimizer cannot re-evaluate a closure.")
+        changed = [i for i, (grad, version) in enumerate(self._versions) if grad._version != version]
+        if changed:
+            self._versions = []
+            raise RuntimeError(
+                f"Gradients were changed in place after the overlapped updates had already run on rank "
+                f"{self._reducer.rank} (e.g. clip_grad_norm_ or GradScaler.unscale_); that change cannot be "
+                "honored. Pass max_grad_norm to attach_optimizer(..., overlap=True) to clip, or attach "
+                "without overlap."
+            )
         if self._reducer.reductions == self._stepped_at:
             raise RuntimeError(
                 f"optimizer.step() on rank {self._reducer.rank}: with overlap=True the update runs during a "

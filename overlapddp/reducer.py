@@ -83,6 +83,7 @@ class Reducer:
         # Called in finalize with each bucket's parameters once its gradients are written, while
         # later buckets may still be reducing: the overlapped optimizer's per-bucket update.
         self.after_bucket_reduced: Callable[[list[torch.Tensor]], None] | None = None
+        self.after_all_reduced: Callable[[], None] | None = None  # once, when every bucket is written
         # DDP rebuilds once, from rank 0's gradient-ready order, unless it searches unused
         # parameters on a dynamic graph.
         self._rebuild_pending = options.static_graph or not options.find_unused_parameters
@@ -403,6 +404,8 @@ class Reducer:
                     self.after_bucket_reduced(storage.params)
             if self._usage is not None:
                 self._usage.settle()
+            if self.after_all_reduced is not None:
+                self.after_all_reduced()
         except BaseException:
             self._abandon()
             raise

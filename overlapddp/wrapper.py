@@ -235,6 +235,7 @@ class OverlapDDP(nn.Module, Joinable):
         optimizer: torch.optim.Optimizer,
         *,
         overlap: bool = False,
+        max_grad_norm: float | None = None,
         strict: bool = False,
         allow_unsynced: bool = False,
     ) -> OptimizerGuard | OverlappedOptimizer:
@@ -242,6 +243,8 @@ class OverlapDDP(nn.Module, Joinable):
 
         With ``overlap=True`` each bucket's update runs as soon as that bucket is reduced, while later
         buckets are still reducing; ``step()`` then returns once all updates are done (SGD, Adam, AdamW).
+        ``max_grad_norm`` clips as ``clip_grad_norm_`` would (per-bucket norms overlap communication;
+        the updates then wait for the total norm).
 
         Example::
 
@@ -249,7 +252,9 @@ class OverlapDDP(nn.Module, Joinable):
             >>> loss.backward(); optimizer.step()       # raises if a gradient is stale or in flight
         """
         if overlap:
-            return OverlappedOptimizer(self._reducer, optimizer)
+            return OverlappedOptimizer(self._reducer, optimizer, max_grad_norm=max_grad_norm)
+        if max_grad_norm is not None:
+            raise ValueError("max_grad_norm is for overlap=True; without overlap call clip_grad_norm_ before step().")
         return OptimizerGuard(self._reducer, optimizer, strict=strict, allow_unsynced=allow_unsynced)
 
     def record_fences(self) -> FenceLog:

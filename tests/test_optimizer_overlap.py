@@ -20,13 +20,15 @@ OPTIMIZERS = {
 CASES = [(m, o) for m in ("cnn_bn", "transformer") for o in OPTIMIZERS]
 
 
-def _compare(rank: int, world_size: int, skip_last_bucket: bool = False) -> dict[str, list[bool]]:
+def _compare(
+    rank: int, world_size: int, skip_last_bucket: bool = False, max_norm: float | None = None
+) -> dict[str, list[bool]]:
     results = {}
     for model_name, opt_name in CASES:
         ddp = DistributedDataParallel(models.build(model_name), bucket_cap_mb=0.001)
         ours = OverlapDDP(models.build(model_name), bucket_cap_mb=0.001)
         ddp_opt, our_opt = OPTIMIZERS[opt_name](ddp.parameters()), OPTIMIZERS[opt_name](ours.parameters())
-        ours.attach_optimizer(our_opt, overlap=True)
+        ours.attach_optimizer(our_opt, overlap=True, max_grad_norm=max_norm)
         if skip_last_bucket:  # fault: the last bucket's update is lost
             ours._reducer.after_bucket_reduced = _skipping_last(ours, ours._reducer.after_bucket_reduced)
         equal = []
@@ -34,6 +36,8 @@ def _compare(rank: int, world_size: int, skip_last_bucket: bool = False) -> dict
             inputs, target = models.batch(model_name, rank, step)
             for wrapper, opt in ((ddp, ddp_opt), (ours, our_opt)):
                 models.loss_of(wrapper(inputs), target).backward()
+                if max_norm is not None and wrapper is ddp:
+                    torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm)
                 opt.step()
                 opt.zero_grad()
             equal.append(all(torch.equal(a, b) for a, b in zip(ddp.state_dict().values(), ours.state_dict().values())))
@@ -50,13 +54,19 @@ def _skipping_last(model: OverlapDDP, update):
 
 
 @functools.cache
-def outcomes(world_size: int):
-    return run_ranks(world_size, _compare)
+def outcomes(world_size: int, max_norm: float | None = None):
+    return run_ranks(world_size, _compare, False, max_norm)
 
 
 @pytest.mark.parametrize("world_size", (2, 3))
 def test_overlapped_updates_are_bit_equal_to_ddp_then_step(world_size):
     for rank, results in enumerate(outcomes(world_size)):
+        for case, equal in results.items():
+            assert equal == [True] * 4, f"rank {rank} {case}: {equal}"
+
+
+def test_overlapped_clipping_is_bit_equal_to_clip_grad_norm_then_step():
+    for rank, results in enumerate(outcomes(3, 0.05)):  # small enough that every step clips
         for case, equal in results.items():
             assert equal == [True] * 4, f"rank {rank} {case}: {equal}"
 
@@ -83,3 +93,14 @@ def test_step_without_a_synchronized_backward_raises(one_rank):
     opt.step()
     with pytest.raises(RuntimeError, match="none has run since the last step"):
         opt.step()  # the same update cannot be acknowledged twice
+
+
+def test_clipping_after_the_overlapped_update_is_detected_and_points_to_max_grad_norm(one_rank):
+    model = OverlapDDP(models.build("mlp"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.attach_optimizer(opt, overlap=True)
+    inputs, target = models.batch("mlp", 0, 0)
+    models.loss_of(model(inputs), target).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    with pytest.raises(RuntimeError, match="cannot be honored. Pass max_grad_norm"):
+        opt.step()
