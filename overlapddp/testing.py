@@ -148,12 +148,18 @@ def delay_communication(model: OverlapDDP, rank: int, seconds: float, stage: str
 
 @contextmanager
 def unfenced(model: OverlapDDP) -> Iterator[UnfencedFence]:
-    """TEST-ONLY: run the block with the fence removed; gradients may be read mid-collective."""
+    """TEST-ONLY: run the block with the fence removed; gradients may be read mid-collective.
+
+    A delay set by an enclosing :func:`delay_communication` is kept around the unfenced fence.
+    """
     reducer = model._reducer
     original = reducer.fence
     unsafe = UnfencedFence()
     unsafe.log = original.log
-    reducer.replace_fence(unsafe)
+    if isinstance(original, DelayedFence):
+        reducer.replace_fence(DelayedFence(unsafe, original.seconds, original.stage))
+    else:
+        reducer.replace_fence(unsafe)
     try:
         yield unsafe
     finally:

@@ -100,3 +100,13 @@ def test_unfenced_run_shows_reads_before_completion_and_buffer_reuse_in_the_log(
     violations = [v for r in outcomes("unfenced", "launch", None) for v in r["violations"]]
     assert any("'consumed'" in v and "launched" in v for v in violations)
     assert any("buffer reused while the collective" in v for v in violations)
+
+
+def test_unfenced_inside_a_delay_keeps_the_delay(one_rank):
+    from overlapddp.testing import DelayedFence, UnfencedFence
+
+    model = OverlapDDP(models.build("mlp"))
+    with delay_communication(model, rank=0, seconds=0.01), unfenced(model):
+        fence = model._reducer.fence
+        assert isinstance(fence, DelayedFence) and isinstance(fence.inner, UnfencedFence)
+    assert type(model._reducer.fence).__name__ == "Fence"
