@@ -18,6 +18,15 @@ drift (thermal, page cache, allocator growth) does not favour either side.
 A step's time is the slowest rank's time for it. Both variants see exactly the
 same data and dropout draws, so their parameters and buffers must end up
 bit-identical; that is checked with ``torch.equal`` and agreed on by all ranks.
+
+During the timed steps OverlapDDP records its fence log; ``overlapddp.timeline``
+turns it into the exposed communication per step (last bucket completion minus
+end of backward) and the last bucket to become ready, reported for rank 0.
+
+``--link-gbps X`` registers ``benchmarks/link.py``'s hook on both variants (each
+with its own emulated link of X Gbit/s per rank); without it no hook is
+registered. ``--plot DIR`` (needs matplotlib) writes a step-time chart and one
+representative OverlapDDP step's bucket timeline as PNGs.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -41,9 +51,14 @@ import torchvision
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-# Make the checkout's ``overlapddp`` importable without installing it; spawned
-# ranks re-run this module, so they get the same path.
+# Make the checkout's ``overlapddp`` and ``benchmarks`` importable without
+# installing them; spawned ranks re-run this module, so they get the same path.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import plots  # noqa: E402
+from benchmarks.link import LinkState, link_allreduce_hook, ring_allreduce_seconds  # noqa: E402
+
+if TYPE_CHECKING:
+    from overlapddp.fence import FenceLog
 
 NUM_CLASSES = 10
 MLP_DEPTH = 200
@@ -144,6 +159,8 @@ class Variant:
     next_step: int = 0
     block_times: list[list[float]] = field(default_factory=list)  # seconds, per repeat
     peak_cuda_bytes: int = 0
+    # This rank's perf_counter (start, end) of every timed step, to place fence-log times in a step.
+    step_spans: list[tuple[float, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -165,6 +182,9 @@ def make_variant(ctx: RankContext, label: str, wrapper: type[nn.Module]) -> Vari
     if ctx.device.type == "cuda":
         kwargs["device_ids"] = [ctx.device.index]
     model = wrapper(module, **kwargs)
+    if ctx.args.link_gbps is not None:
+        # Same hook, separate state: each variant has its own link, and they never run at once.
+        model.register_comm_hook(LinkState(ctx.args.link_gbps), link_allreduce_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     return Variant(label, module, model, optimizer)
 
@@ -185,8 +205,16 @@ def slowest_rank(durations: list[float]) -> list[float]:
     return times.tolist()
 
 
-def run_block(ctx: RankContext, variant: Variant, steps: int) -> list[float]:
-    """Run ``steps`` steps after a barrier; return each step's slowest-rank seconds."""
+def run_block(
+    ctx: RankContext,
+    variant: Variant,
+    steps: int,
+    spans: list[tuple[float, float]] | None = None,
+) -> list[float]:
+    """Run ``steps`` steps after a barrier; return each step's slowest-rank seconds.
+
+    ``spans``, if given, gets this rank's (start, end) perf_counter times of each step.
+    """
     dist.barrier()
     durations = []
     for _ in range(steps):
@@ -197,7 +225,10 @@ def run_block(ctx: RankContext, variant: Variant, steps: int) -> list[float]:
         train_step(variant, inputs, targets)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
-        durations.append(time.perf_counter() - start)
+        end = time.perf_counter()
+        durations.append(end - start)
+        if spans is not None:
+            spans.append((start, end))
         variant.next_step += 1
     return slowest_rank(durations)
 
@@ -206,7 +237,7 @@ def run_timed_block(ctx: RankContext, variant: Variant) -> None:
     """Time one repeat's block for a variant and track its CUDA peak memory."""
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
-    variant.block_times.append(run_block(ctx, variant, ctx.args.steps))
+    variant.block_times.append(run_block(ctx, variant, ctx.args.steps, variant.step_spans))
     if ctx.device.type == "cuda":
         variant.peak_cuda_bytes = max(
             variant.peak_cuda_bytes, torch.cuda.max_memory_allocated(ctx.device)
@@ -254,6 +285,85 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def format_duration(seconds: float) -> str:
+    """``42 s`` or ``3 min 05 s``, for progress lines."""
+    seconds = round(seconds)
+    return f"{seconds} s" if seconds < 60 else f"{seconds // 60} min {seconds % 60:02d} s"
+
+
+def timeline_summary(log_: FenceLog, variant: Variant) -> dict[str, object]:
+    """This rank's fence-log timeline over the timed steps of ``variant`` (times in ms).
+
+    Every timed step runs one synchronized backward, so the log's i-th iteration is the i-th timed
+    step. The representative step is the one whose slowest-rank time is nearest the median.
+    """
+    from overlapddp import timeline  # not at the top: --candidate ddp runs without overlapddp
+
+    iterations = timeline.summarize(log_)
+    if len(iterations) != len(variant.step_spans):
+        raise RuntimeError(
+            f"The fence log has {len(iterations)} complete iterations but {len(variant.step_spans)} steps "
+            "were timed; expected one backward per step."
+        )
+    exposed = [s.exposed_communication_s * 1e3 for s in iterations]
+    last_ready = [s.last_ready_bucket for s in iterations]
+    most_common = max(set(last_ready), key=lambda b: (last_ready.count(b), -b))
+    steps = [t for block in variant.block_times for t in block]
+    median_step = statistics.median(steps)
+    index = min(range(len(steps)), key=lambda i: abs(steps[i] - median_step))
+    chosen = iterations[index]
+    step_start, step_end = variant.step_spans[index]
+
+    def ms(t: float | None) -> float | None:
+        return None if t is None else (t - step_start) * 1e3
+
+    spans = [s for s in timeline.bucket_spans(log_) if s.iteration == chosen.iteration]
+    return {
+        "steps": len(iterations),
+        "buckets": len(spans),
+        "exposed_communication_ms": {
+            "median": statistics.median(exposed),
+            "min": min(exposed),
+            "max": max(exposed),
+            "per_step": exposed,
+        },
+        "last_ready_bucket": {
+            "most_common": most_common,
+            "steps": last_ready.count(most_common),
+            "per_step": last_ready,
+        },
+        "representative_step": {
+            "index": index,
+            "step_ms": steps[index] * 1e3,
+            "local_step_ms": (step_end - step_start) * 1e3,
+            "backward_end_ms": ms(chosen.backward_end),
+            "exposed_communication_ms": chosen.exposed_communication_s * 1e3,
+            "buckets": [
+                {
+                    "bucket": s.bucket,
+                    "ready_ms": ms(s.ready),
+                    "launched_ms": ms(s.launched),
+                    "completed_ms": ms(s.completed),
+                    "consumed_ms": ms(s.consumed),
+                }
+                for s in spans
+            ],
+        },
+    }
+
+
+def link_summary(args: argparse.Namespace, module: nn.Module) -> dict[str, float] | None:
+    """The emulated link's load: gradient bytes per step and the link time they take at least."""
+    if args.link_gbps is None:
+        return None
+    nbytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    return {
+        "gbps": args.link_gbps,
+        "gradient_bytes_per_step": nbytes,
+        "link_ms_per_step": ring_allreduce_seconds(nbytes, args.world_size, args.link_gbps) * 1e3,
+    }
+
+
 def summarize(reference: Variant, candidate: Variant, orders: list[str]) -> dict[str, object]:
     """Per-variant medians over all timed steps and per-repeat candidate/reference ratios."""
     ratios = [
@@ -291,6 +401,24 @@ def format_table(results: dict[str, object], reference: str, candidate: str) -> 
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in rows]
+    link = results["link"]
+    if link is not None:
+        lines.append(
+            f"emulated link: {link['gbps']:g} Gbit/s per rank, {link['gradient_bytes_per_step'] / 2**20:.1f} MiB "
+            f"of gradients per step, at least {link['link_ms_per_step']:.1f} ms of link time per step"
+        )
+    line = results["timeline"]
+    if line is None:
+        lines.append("timeline: none (only OverlapDDP records a fence log)")
+    else:
+        exposed = line["exposed_communication_ms"]
+        last = line["last_ready_bucket"]
+        lines.append(
+            f"{candidate} timeline, rank 0, {line['steps']} timed steps, {line['buckets']} buckets: "
+            f"exposed communication median {exposed['median']:.2f} ms [{exposed['min']:.2f}, "
+            f"{exposed['max']:.2f}]; last bucket ready: {last['most_common']} "
+            f"({last['steps']}/{line['steps']} steps)"
+        )
     memory = results["memory"]
     if memory["kind"] == "cuda_max_memory_allocated_mib":
         per_variant = ", ".join(f"{k} {v:.1f}" for k, v in memory["per_variant"].items())
@@ -322,7 +450,10 @@ def benchmark(ctx: RankContext) -> dict[str, object]:
     candidate = make_variant(ctx, candidate_label, candidate_class(args.candidate))
     for variant in (reference, candidate):
         run_block(ctx, variant, args.warmup)
+    # Recorded on every rank (same cost everywhere), from the first timed step on.
+    fence_log = candidate.model.record_fences() if args.candidate == "overlapddp" else None
     orders = []
+    timed_start = time.perf_counter()
     for repeat in range(args.repeats):
         order = (reference, candidate) if repeat % 2 == 0 else (candidate, reference)
         for variant in order:
@@ -331,10 +462,13 @@ def benchmark(ctx: RankContext) -> dict[str, object]:
         if ctx.rank == 0:
             ref_ms = median_ms(reference.block_times[-1])
             cand_ms = median_ms(candidate.block_times[-1])
+            elapsed = time.perf_counter() - timed_start
+            left = elapsed / (repeat + 1) * (args.repeats - repeat - 1)
+            eta = f"about {format_duration(left)} left" if left else f"done in {format_duration(elapsed)}"
             log(
                 f"repeat {repeat + 1}/{args.repeats} ({order[0].label} first): "
                 f"ddp {ref_ms:.2f} ms, {candidate_label} {cand_ms:.2f} ms, "
-                f"ratio {cand_ms / ref_ms:.3f}"
+                f"ratio {cand_ms / ref_ms:.3f}; {eta}"
             )
     mismatches = mismatched_tensors(reference.module, candidate.module)
     results = summarize(reference, candidate, orders)
@@ -353,6 +487,8 @@ def benchmark(ctx: RankContext) -> dict[str, object]:
             "per_rank": per_rank_max_rss_mib(args.world_size, ctx.rank),
         }
     results["labels"] = [reference.label, candidate.label]
+    results["timeline"] = None if fence_log is None else timeline_summary(fence_log, candidate)
+    results["link"] = link_summary(args, candidate.module)
     return results
 
 
@@ -377,7 +513,11 @@ def report(args: argparse.Namespace, results: dict[str, object]) -> None:
     print(format_table(results, reference, candidate), flush=True)
     if args.json:
         payload = {"config": vars(args), "torch": torch.__version__, **results}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+    if args.plot:
+        for path in plots.write_all(results, vars(args), Path(args.plot)):
+            print(f"wrote {path}", flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -401,6 +541,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", default=None, metavar="PATH", help="write all results here")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
+        "--link-gbps",
+        type=float,
+        default=None,
+        metavar="X",
+        help="reduce through an emulated serialized link of X Gbit/s per rank (benchmarks/link.py), "
+        "on both variants; default: no hook, DDP's own path",
+    )
+    parser.add_argument(
+        "--optimizer-overlap",
+        action="store_true",
+        help="attach the optimizer with overlap=True (not implemented in OverlapDDP yet: exits)",
+    )
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="DIR",
+        help="write step-time and bucket-timeline PNGs here (needs matplotlib)",
+    )
+    parser.add_argument(
         "--candidate",
         choices=("overlapddp", "ddp"),
         default="overlapddp",
@@ -412,12 +571,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup < 0:
         parser.error("--warmup must not be negative")
+    if args.link_gbps is not None and not args.link_gbps > 0:
+        parser.error("--link-gbps must be positive")
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     """Check the candidate imports, start the rendezvous store and spawn the ranks."""
     args = parse_args(argv)
+    if args.optimizer_overlap:
+        sys.exit(
+            "--optimizer-overlap: OverlapDDP.attach_optimizer(optimizer, overlap=True) is not implemented "
+            "yet (it raises NotImplementedError), so there is nothing to measure; run without "
+            "--optimizer-overlap."
+        )
+    if args.plot and not plots.matplotlib_available():
+        sys.exit(
+            "--plot needs matplotlib, which is not installed: pip install matplotlib "
+            "(or this project's 'plot' extra: pip install -e '.[plot]')."
+        )
     try:
         candidate_class(args.candidate)
     except ImportError as error:

@@ -1,0 +1,94 @@
+"""Smoke tests for benchmarks/compare.py: a tiny run over the emulated link, and its charts.
+
+Each run spawns two fresh gloo ranks, so a test takes seconds; the MLP with two timed steps per
+repeat keeps one run well under half a minute on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.link import LinkState, ring_allreduce_seconds
+
+REPO = Path(__file__).resolve().parent.parent
+COMPARE = REPO / "benchmarks" / "compare.py"
+RUN_TIMEOUT_S = 120
+TINY_RUN = ["--model", "mlp", "--steps", "2", "--warmup", "1", "--repeats", "2", "--link-gbps", "1"]
+
+
+def compare(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run compare.py on two CPU ranks with ``args``; returns the finished process."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run(
+        [sys.executable, str(COMPARE), *args], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+
+
+def check_ok(result: subprocess.CompletedProcess[str]) -> None:
+    assert result.returncode == 0, (
+        f"compare.py exited with {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+    )
+
+
+def test_link_queues_buckets_on_one_serialized_link():
+    # 2 ranks: a ring all-reduce sends the bucket once; 1.25e8 bytes at 1 Gbit/s take 1 s.
+    assert ring_allreduce_seconds(125_000_000, 2, 1.0) == pytest.approx(1.0)
+    link = LinkState(gbps=1.0)
+    assert link.occupy(125_000_000, 2, now=10.0) == pytest.approx(11.0)  # idle link: starts at launch
+    assert link.occupy(125_000_000, 2, now=10.5) == pytest.approx(12.0)  # waits for the first bucket
+    assert link.occupy(125_000_000, 4, now=20.0) == pytest.approx(21.5)  # free again; 4 ranks send 1.5x
+    with pytest.raises(ValueError, match="gbps"):
+        LinkState(gbps=0.0)
+
+
+def test_compare_over_emulated_link_is_bit_equal_and_reports_the_timeline(tmp_path):
+    path = tmp_path / "result.json"
+    result = compare(*TINY_RUN, "--json", str(path))
+    check_ok(result)
+    payload = json.loads(path.read_text())
+    assert payload["bit_equal"] is True
+    assert payload["link"]["gbps"] == 1.0 and payload["link"]["link_ms_per_step"] > 0
+    timeline = payload["timeline"]
+    assert timeline["steps"] == 4  # 2 repeats of 2 timed steps
+    assert timeline["exposed_communication_ms"]["median"] >= 0
+    assert len(timeline["last_ready_bucket"]["per_step"]) == 4
+    assert timeline["representative_step"]["buckets"]
+    assert "exposed communication median" in result.stdout
+    assert "left" in result.stderr or "done in" in result.stderr  # progress with time remaining
+
+
+def test_compare_writes_charts(tmp_path):
+    pytest.importorskip("matplotlib")
+    result = compare(*TINY_RUN, "--plot", str(tmp_path))
+    check_ok(result)
+    charts = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert charts == ["mlp_link1gbps_step_times.png", "mlp_link1gbps_timeline.png"]
+    for chart in charts:
+        assert (tmp_path / chart).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_optimizer_overlap_says_it_is_not_implemented():
+    result = compare("--optimizer-overlap")
+    assert result.returncode != 0
+    assert "overlap=True" in result.stderr and "not implemented" in result.stderr
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(tmp_path):
+    # A None entry in sys.modules makes the import system report matplotlib as absent.
+    script = (
+        "import runpy, sys; sys.modules['matplotlib'] = None; "
+        f"sys.argv = ['compare.py', '--plot', {str(tmp_path)!r}]; "
+        f"runpy.run_path({str(COMPARE)!r}, run_name='__main__')"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
+                            timeout=RUN_TIMEOUT_S)
+    assert result.returncode != 0
+    assert "pip install matplotlib" in result.stderr
+    assert not list(tmp_path.iterdir())
