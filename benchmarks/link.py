@@ -100,3 +100,8 @@ def link_allreduce_hook(state: LinkState, bucket: dist.GradBucket) -> torch.futu
 
     reduced.add_done_callback(deliver)
     return result
+
+
+# One all-reduce, issued by the call itself: OverlapDDP need not wait for the previous bucket's
+# hook before starting this one (see overlapddp.comm_hook.is_unchained); stock DDP ignores this.
+link_allreduce_hook.issues_one_collective = True

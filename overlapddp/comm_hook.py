@@ -82,6 +82,13 @@ UNCHAINED_HOOKS = frozenset(
 )
 
 
+def is_unchained(hook: CommHook) -> bool:
+    """Whether bucket b's hook may start before bucket b-1's has finished: the stock hooks above,
+    and any hook that declares ``hook.issues_one_collective = True`` (it issues at most one
+    collective, from the call itself, and none from callbacks)."""
+    return hook in UNCHAINED_HOOKS or getattr(hook, "issues_one_collective", False) is True
+
+
 def run_hook(hook: CommHook, state: Any, bucket: Bucket, after: Future | None) -> Future:
     """Start ``hook(state, bucket)`` once ``after``, the previous bucket's hook future, is done.
 
@@ -93,8 +100,7 @@ def run_hook(hook: CommHook, state: Any, bucket: Bucket, after: Future | None) -
     with more than one bucket). Waiting for the previous chain to finish before starting the next
     makes the issue order the bucket order on every rank. The wait is on the host only (no stream
     is synchronized) and swallows the previous bucket's error, which finalize reports for that
-    bucket. The default reduction and the hooks in ``UNCHAINED_HOOKS`` (one collective, issued by
-    the call itself) are never chained.
+    bucket. The default reduction and unchained hooks (see ``is_unchained``) never wait.
     """
     if after is not None:
         done = threading.Event()

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from overlapddp.bucket_plan import BucketCaps, BucketPlan, initial_plan, rebuilt_plan
 from overlapddp.bucket_storage import BucketStorage
-from overlapddp.comm_hook import UNCHAINED_HOOKS, Bucket, CommHook, allreduce_sum, hook_result, run_hook
+from overlapddp.comm_hook import Bucket, CommHook, allreduce_sum, hook_result, is_unchained, run_hook
 from overlapddp.fence import Fence
 from overlapddp.param_usage import UsageMap, grad_accumulators, unreachable
 from overlapddp.token_weighting import TokenCount
@@ -362,7 +362,7 @@ class Reducer:
         # Hook chains run one bucket at a time, see [Note: one hook chain at a time] in
         # comm_hook.py: bucket b's hook starts once bucket b-1's future (kept here from the
         # previous start of this iteration; finalize consumes it through the fence) is done.
-        chained = bucket.index() > 0 and hook not in UNCHAINED_HOOKS
+        chained = bucket.index() > 0 and not is_unchained(hook)
         after = self._hook_future if chained else None
         self._hook_future = run_hook(hook, state, bucket, after)
         return self._hook_future

@@ -74,10 +74,10 @@ def test_compare_writes_charts(tmp_path):
         assert (tmp_path / chart).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_optimizer_overlap_says_it_is_not_implemented():
-    result = compare("--optimizer-overlap")
-    assert result.returncode != 0
-    assert "overlap=True" in result.stderr and "not implemented" in result.stderr
+def test_optimizer_overlap_over_the_link_stays_bit_equal(tmp_path):
+    path = tmp_path / "result.json"
+    check_ok(compare(*TINY_RUN, "--optimizer-overlap", "--json", str(path)))
+    assert json.loads(path.read_text())["bit_equal"] is True
 
 
 def test_plot_without_matplotlib_says_how_to_install_it(tmp_path):

@@ -333,3 +333,14 @@ def test_bf16_compress_hook_is_accepted_on_gloo(one_rank):
     OverlapDDP(models.build("mlp")).register_comm_hook(None, default_hooks.bf16_compress_hook)
     wrapped = default_hooks.bf16_compress_wrapper(default_hooks.allreduce_hook)
     OverlapDDP(models.build("mlp")).register_comm_hook(None, wrapped)
+
+
+def test_a_hook_can_declare_that_it_needs_no_chaining():
+    from overlapddp.comm_hook import is_unchained
+
+    def custom(state, bucket):
+        return default_hooks.allreduce_hook(state, bucket)
+
+    assert is_unchained(default_hooks.allreduce_hook) and not is_unchained(custom)
+    custom.issues_one_collective = True
+    assert is_unchained(custom)
