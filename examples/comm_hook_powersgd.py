@@ -34,10 +34,8 @@ compression rate).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -50,6 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 # Make the checkout's ``overlapddp`` importable without installing it.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common import setup  # noqa: E402
 from overlapddp import OverlapDDP  # noqa: E402
 
 # Either wrapper: the loop below uses only what they share.
@@ -69,26 +68,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timeout-s", type=float, default=120, help="process group timeout for each collective")
     parser.add_argument("--ddp", action="store_true", help="use torch's DistributedDataParallel (may hang, see above)")
     return parser.parse_args()
-
-
-def setup(timeout_s: float) -> torch.device:
-    """Join the process group torchrun describes; one thread and (with CUDA) one GPU per rank."""
-    torch.set_num_threads(1)
-    timeout = timedelta(seconds=timeout_s)
-    if torch.cuda.is_available():
-        local_rank = int(os.environ["LOCAL_RANK"])
-        if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(
-                f"Local rank {local_rank} needs its own GPU, but {torch.cuda.device_count()} are visible; "
-                "launch at most that many processes per node, or set CUDA_VISIBLE_DEVICES= to train on CPU."
-            )
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, timeout=timeout)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timeout)
-    return device
 
 
 def build_model(args: argparse.Namespace, device: torch.device) -> tuple[Wrapped, PowerSGDState]:

@@ -13,7 +13,6 @@ DistributedDataParallel. Rank 0 prints its own loss each step.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 # Make the checkout's ``overlapddp`` importable without installing it.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common import setup  # noqa: E402
 from overlapddp import OverlapDDP  # noqa: E402
 
 # Either wrapper: the loop below uses only what they share.
@@ -87,25 +87,6 @@ def parse_args() -> argparse.Namespace:
     if args.grad_accum < 1:
         parser.error(f"--grad-accum must be at least 1, got {args.grad_accum}")
     return args
-
-
-def setup() -> torch.device:
-    """Join the process group torchrun describes; one thread and (with CUDA) one GPU per rank."""
-    torch.set_num_threads(1)
-    if torch.cuda.is_available():
-        local_rank = int(os.environ["LOCAL_RANK"])
-        if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(
-                f"Local rank {local_rank} needs its own GPU, but {torch.cuda.device_count()} are visible; "
-                "launch at most that many processes per node, or set CUDA_VISIBLE_DEVICES= to train on CPU."
-            )
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    return device
 
 
 def build_model(args: argparse.Namespace, config: LMConfig, device: torch.device) -> Wrapped:

@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
 from tests import faults, hooks, models
+from tests.multiprocess import run_ranks
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,12 @@ def skipping_sync(wrapper: torch.nn.Module, how: str, skip: bool) -> Iterator[No
 
 def run_scenarios(rank: int, world_size: int, scenarios: list[Scenario]) -> list[Outcome]:
     return [run_scenario(rank, s) for s in scenarios]
+
+
+def outcomes_by_scenario(world_size: int, scenarios: list[Scenario]) -> dict[Scenario, list[Outcome]]:
+    """Every scenario in one process group of ``world_size`` ranks: per scenario, each rank's outcome."""
+    per_rank = run_ranks(world_size, run_scenarios, scenarios)
+    return {s: [rank[i] for rank in per_rank] for i, s in enumerate(scenarios)}
 
 
 def run_scenario(rank: int, scenario: Scenario) -> Outcome:

@@ -42,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 from overlapddp import OverlapDDP
 from tests import faults, hooks, models
 from tests.multiprocess import run_ranks
-from tests.parity import Outcome, Scenario, run_scenario, run_scenarios
+from tests.parity import Outcome, Scenario, outcomes_by_scenario, run_scenario
 
 TINY = 0.001  # ~1 KiB bucket caps: after the rebuild, a bucket per parameter or two
 
@@ -75,8 +75,7 @@ WORLD_SIZES = (2, 3, 4)
 @functools.cache
 def outcomes(world_size: int) -> dict[Scenario, list[Outcome]]:
     """Every scenario for one world size in one process group, keyed for the tests below."""
-    per_rank = run_ranks(world_size, run_scenarios, SCENARIOS)
-    return {s: [rank[i] for rank in per_rank] for i, s in enumerate(SCENARIOS)}
+    return outcomes_by_scenario(world_size, SCENARIOS)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

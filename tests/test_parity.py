@@ -11,7 +11,7 @@ import functools
 import pytest
 
 from tests.multiprocess import run_ranks
-from tests.parity import Outcome, Scenario, run_scenarios
+from tests.parity import Outcome, Scenario, outcomes_by_scenario, run_scenarios
 
 FIND_UNUSED = (("find_unused_parameters", True),)
 BUCKET_VIEW = (("gradient_as_bucket_view", True),)
@@ -50,8 +50,7 @@ WORLD_SIZES = (2, 3, 4)
 @functools.cache
 def outcomes(world_size: int) -> dict[Scenario, list[Outcome]]:
     """Run every scenario once per world size (one process group), keyed for the tests below."""
-    per_rank = run_ranks(world_size, run_scenarios, SCENARIOS)
-    return {s: [rank[i] for rank in per_rank] for i, s in enumerate(SCENARIOS)}
+    return outcomes_by_scenario(world_size, SCENARIOS)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
