@@ -78,12 +78,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps")
     parser.add_argument("--grad-accum", type=int, default=2, help="micro-batches per optimizer step")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch per rank")
+    parser.add_argument(
+        "--token-weighted",
+        action="store_true",
+        help="uneven batches per rank, reduced as the global per-token mean (OverlapDDP.count_tokens)",
+    )
     parser.add_argument("--seq-len", type=int, default=LMConfig.seq_len)
     parser.add_argument("--layers", type=int, default=LMConfig.n_layers)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ddp", action="store_true", help="use torch's DistributedDataParallel instead")
     args = parser.parse_args()
+    if args.token_weighted and args.ddp:
+        parser.error("--token-weighted needs OverlapDDP (stock DDP has no token-weighted reduction)")
     if args.grad_accum < 1:
         parser.error(f"--grad-accum must be at least 1, got {args.grad_accum}")
     return args
@@ -117,19 +124,27 @@ def train_step(
 ) -> torch.Tensor:
     """One optimizer step over ``args.grad_accum`` micro-batches; returns the mean loss, detached."""
     total = torch.zeros((), device=device)
+    tokens = 0
     last = args.grad_accum - 1
+    # With --token-weighted, rank r reads r more sequences per micro-batch: uneven token counts.
+    batch_size = args.batch_size + (dist.get_rank() if args.token_weighted else 0)
     for micro in range(args.grad_accum):
         # Only the last micro-batch's backward reduces; the others accumulate into .grad locally.
         model.require_backward_grad_sync = micro == last
-        inputs, targets = get_batch(config, args.batch_size, generator, device)
-        logits = model(inputs)
-        # Every micro-batch has the same token count, so this mean of means is the per-token mean.
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten()) / args.grad_accum
+        inputs, targets = get_batch(config, batch_size, generator, device)
+        if args.token_weighted:
+            # Sum of token losses; the wrapper divides by the token count summed over all ranks.
+            model.count_tokens(targets.numel())
+            loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), reduction="sum")
+            tokens += targets.numel()
+        else:
+            # Every micro-batch has the same token count, so this mean of means is the per-token mean.
+            loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()) / args.grad_accum
         loss.backward()
         total += loss.detach()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return total
+    return total / tokens if args.token_weighted else total
 
 
 def train(args: argparse.Namespace, device: torch.device) -> None:

@@ -86,6 +86,11 @@ def test_train_lm_require_backward_grad_sync_accumulation_matches_ddp():
     assert losses(ours) == pytest.approx(losses(theirs), abs=1e-3)
 
 
+def test_train_lm_token_weighted_runs_with_uneven_batches():
+    stdout = torchrun("train_lm.py", "--steps", "2", "--grad-accum", "2", "--token-weighted")
+    assert set(losses(stdout)) == {0, 1}, stdout
+
+
 def test_comm_hook_powersgd_compresses_every_bucket_from_step_two():
     """Three steps, since ``start_powerSGD_iter=2`` makes steps 0 and 1 plain all-reduces; resnet18's
     11 buckets at ``bucket_cap_mb=1`` must all be compressed (stock DDP on gloo dies at step 2)."""
