@@ -275,6 +275,10 @@ class OverlapDDP(nn.Module, Joinable):
         """
         self._reducer.enable_token_weighting().add(tokens)
 
+    def bucket_indices(self) -> list[list[int]]:
+        """The current buckets, in launch order, as indices into the parameters that require grad."""
+        return [list(members) for members in self._reducer.plan.buckets]
+
     def check_nonfinite_gradients(self, enabled: bool = True) -> None:
         """Debug option: stop every rank, naming the ranks and parameters, when a gradient is NaN or
         Inf, before its bucket is reduced (costs one small all-reduce per bucket)."""

@@ -79,6 +79,16 @@ def build(name: str) -> nn.Module:
         return torchvision.models.resnet18(num_classes=10)
     if name == "transformer":
         return TinyLM()
+    if name == "cnn_frozen":  # a parameter that needs no gradient (still broadcast at construction)
+        model = build("cnn_bn")
+        model[0].weight.requires_grad_(False)
+        return model
+    if name == "cnn_channels_last":  # parameters with channels_last strides, kept inside the buckets
+        return build("cnn_bn").to(memory_format=torch.channels_last)
+    if name == "tied_lm":  # one parameter shared by the embedding and the head
+        model = TinyLM()
+        model.head.weight = model.embed.weight
+        return model
     if name == "branchy":
         return Branchy()
     if name == "branchy_fixed":
@@ -93,11 +103,11 @@ def batch(name: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
     if name in ("mlp", "branchy", "branchy_fixed", "checkpointed"):
         return torch.randn(8, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
-    if name == "cnn_bn":
+    if name in ("cnn_bn", "cnn_frozen", "cnn_channels_last"):
         return torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
     if name == "resnet18":
         return torch.randn(2, 3, 32, 32, generator=g), torch.randint(0, 10, (2,), generator=g)
-    if name == "transformer":
+    if name in ("transformer", "tied_lm"):
         tokens = torch.randint(0, VOCAB, (4, SEQ + 1), generator=g)
         return tokens[:, :-1], tokens[:, 1:]
     raise ValueError(f"unknown test model {name!r}")

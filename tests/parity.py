@@ -130,7 +130,7 @@ def run_scenario(rank: int, scenario: Scenario) -> Outcome:
                 opt.zero_grad(set_to_none=scenario.set_to_none)
             layout = ddp_layout(reference)
             outcome.ddp_layouts.append(layout)
-            outcome.layouts_equal.append(layout == [list(b) for b in candidate._reducer.plan.buckets])
+            outcome.layouts_equal.append(layout == candidate.bucket_indices())
             difference = grad_difference or first_difference(reference, candidate)
             outcome.equal.append(difference is None)
             if difference is not None and outcome.first_difference is None:

@@ -42,6 +42,9 @@ SCENARIOS = [
     Scenario("checkpointed", "sgd", 0.001, ddp_kwargs=STATIC),
     Scenario("mlp", "sgd", 0.001, ddp_kwargs=(("batched_grad_copy", True),)),
     Scenario("transformer", "sgd", None, ddp_kwargs=(("bucket_cap_mb_list", (0.001, 0.004)),)),
+    Scenario("cnn_frozen", "sgd", 0.001),
+    Scenario("cnn_channels_last", "adam", 0.001),
+    Scenario("tied_lm", "adam", 0.001),
 ]
 
 WORLD_SIZES = (2, 3, 4)
