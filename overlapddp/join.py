@@ -59,4 +59,4 @@ class OverlapJoinHook(JoinHook):
         """Every rank takes the parameters (and buffers) of the last rank to join."""
         model = self.model
         source = common_rank(model, is_last_joiner)
-        model._broadcast_state(source)
+        model._broadcast_state(source, with_buffers=model.forward_sync_buffers)

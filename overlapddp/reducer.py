@@ -159,8 +159,8 @@ class Reducer:
         return previous
 
     def bucket_order(self) -> list[int] | None:
-        """The gradient-ready order the buckets were rebuilt from (None before the rebuild)."""
-        return None if self._rebuild_pending else list(self._rebuilt_from)
+        """The gradient-ready order the buckets were rebuilt from (None before, or without, a rebuild)."""
+        return list(self._rebuilt_from) or None
 
     def restore_bucket_order(self, order: list[int] | None) -> None:
         """Resume with the layout a checkpointed run had, so that its continuation is bit-equal."""

@@ -115,10 +115,7 @@ class OverlapDDP(nn.Module, Joinable):
         params = [p for _, p in trainable]
         if init_sync:
             verify_same_parameters(names, params, self.process_group)
-            states = [p.detach() for _, p in named]
-            if init_sync_buffers:
-                states += self.modules_buffers
-            broadcast_coalesced(states, 0, self.process_group)
+            self._broadcast_state(0, with_buffers=init_sync_buffers)
 
         sparse = [False] * len(params)
         for module_name, sub in module.named_modules():
@@ -148,8 +145,8 @@ class OverlapDDP(nn.Module, Joinable):
     # -- forward ------------------------------------------------------------------------------
 
     # The wrapper's own bookkeeping and collectives always run eagerly: under
-    # ``torch.compile(OverlapDDP(model))`` only the wrapped module's forward is compiled, which is
-    # what ``OverlapDDP(torch.compile(model))`` does (the form that is bit-equal to DDP's).
+    # ``torch.compile(OverlapDDP(model))`` Dynamo traces only what the wrapper calls (the module),
+    # never the reducer's collectives or fences.
     @torch.compiler.disable(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the wrapped module; a synchronized forward arms the reduction of its backward."""
@@ -183,10 +180,10 @@ class OverlapDDP(nn.Module, Joinable):
     def _broadcast_buffers(self, source: int) -> None:
         broadcast_coalesced(self.modules_buffers, source, self.process_group)
 
-    def _broadcast_state(self, source: int) -> None:
-        """Parameters (and buffers, when they are synchronized) from rank ``source`` to all ranks."""
+    def _broadcast_state(self, source: int, with_buffers: bool) -> None:
+        """Parameters (and, ``with_buffers``, buffers) from rank ``source`` to all ranks."""
         states = [p.detach() for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
-        if self.forward_sync_buffers:
+        if with_buffers:
             states += self.modules_buffers
         broadcast_coalesced(states, source, self.process_group)
 

@@ -119,3 +119,15 @@ def test_randomly_lagging_ranks_change_nothing():
 def test_soak_500_steps_with_random_delays_on_random_ranks_stays_bit_equal_to_ddp():
     for equal in run_ranks(3, _lagging, 11, "mlp", 500, 0.005):
         assert equal == [True] * 500, f"first difference at step {equal.index(False)}"
+
+
+def test_bucket_state_round_trips_when_no_rebuild_ever_happens(one_rank):
+    """find_unused_parameters never rebuilds: its bucket state is empty and loads as a no-op."""
+    model = OverlapDDP(models.build("branchy"), find_unused_parameters=True)
+    inputs, target = models.batch("branchy", 0, 0)
+    models.loss_of(model(inputs), target).backward()
+    state = model.bucket_state()
+    assert state == {"ready_order": None}
+    resumed = OverlapDDP(models.build("branchy"), find_unused_parameters=True)
+    resumed.load_bucket_state(state)
+    assert resumed.bucket_indices() == model.bucket_indices()
