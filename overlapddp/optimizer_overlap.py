@@ -5,6 +5,10 @@ The user's loop is unchanged (backward, ``step()``, ``zero_grad()``): the update
 end-of-backward callback, bucket by bucket, and ``step()`` then only checks they all ran. Only
 optimizers whose update of one parameter reads nothing but that parameter's gradient and state can
 be split this way; for them, updating bucket by bucket is bit-equal to one ``step()`` after backward.
+
+Clipping and loss scaling decide for all gradients at once (the total norm; whether any gradient is
+Inf or NaN), so with either only their per-bucket work (norms, unscaling) overlaps communication,
+and the updates run after the last bucket.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Any
 
 import torch
 
+from overlapddp.bucket_unscaler import BucketUnscaler
 from overlapddp.reducer import Reducer
 
 # Per-parameter update rules (SGD with momentum, weight decay, nesterov; Adam; AdamW): a parameter's
@@ -29,6 +34,7 @@ class OverlappedOptimizer:
         optimizer: torch.optim.Optimizer,
         max_grad_norm: float | None = None,
         norm_type: float = 2.0,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         if type(optimizer) not in PER_PARAMETER_OPTIMIZERS:
             raise ValueError(
@@ -45,6 +51,11 @@ class OverlappedOptimizer:
         self.max_grad_norm = max_grad_norm
         self.norm_type = float(norm_type)
         self._update = optimizer.step  # the real step, called per bucket
+        # Loss scaling: each bucket is unscaled as soon as it is reduced; the scaler then learns the
+        # outcome as if scaler.unscale_(optimizer) had run (None: no scaler, or a disabled one).
+        self._unscaler: BucketUnscaler | None = None
+        if scaler is not None and scaler.is_enabled():
+            self._unscaler = BucketUnscaler(scaler, optimizer, reducer.rank)
         self._stepped_at = 0  # reducer.reductions the user's step() has acknowledged
         # Per-parameter gradient norms of the buckets reduced so far in this backward (clipping only).
         self._norms: dict[int, torch.Tensor] = {}
@@ -52,10 +63,7 @@ class OverlappedOptimizer:
         # clip_grad_norm_ or GradScaler.unscale_) could not be honored and is reported at step().
         self._versions: list[tuple[torch.Tensor, int]] = []
         optimizer.step = self._step  # type: ignore[method-assign]
-        if max_grad_norm is None:
-            reducer.after_bucket_reduced = self._update_bucket
-        else:
-            reducer.after_bucket_reduced = self._measure_bucket
+        reducer.after_bucket_reduced = self._bucket_reduced
         reducer.after_all_reduced = self._finish
 
     def detach(self) -> None:
@@ -63,6 +71,22 @@ class OverlappedOptimizer:
         self.optimizer.step = self._update  # type: ignore[method-assign]
         self._reducer.after_bucket_reduced = None
         self._reducer.after_all_reduced = None
+        if self._unscaler is not None:
+            self._unscaler.detach()
+
+    @property
+    def _updates_wait_for_all(self) -> bool:
+        """Clipping and loss scaling need every bucket before any update may run."""
+        return self.max_grad_norm is not None or self._unscaler is not None
+
+    def _bucket_reduced(self, params: list[torch.Tensor]) -> None:
+        """One bucket is reduced: unscale it, measure it, or update it, as the options allow."""
+        if self._unscaler is not None:
+            self._unscaler.unscale(params)
+        if self.max_grad_norm is not None:
+            self._measure_bucket(params)
+        if not self._updates_wait_for_all:
+            self._update_bucket(params)
 
     def _update_bucket(self, params: list[torch.Tensor]) -> None:
         """Step the optimizer with every gradient but this bucket's hidden (it skips params without grad)."""
@@ -87,13 +111,17 @@ class OverlappedOptimizer:
                 self._norms[id(p)] = norm
 
     def _finish(self) -> None:
-        """After the last bucket: clip exactly as ``clip_grad_norm_`` would, then update (clipping only),
-        and remember every gradient's version to catch later in-place changes."""
+        """After the last bucket: hand the unscale over to the scaler, clip exactly as ``clip_grad_norm_``
+        would, then update unless the scaler found an Inf or NaN (as ``scaler.step`` decides); and
+        remember every gradient's version to catch later in-place changes."""
+        found_inf = self._unscaler.hand_over() if self._unscaler is not None else False
         if self.max_grad_norm is not None:
-            self._clip_and_update()
+            self._clip()
+        if self._updates_wait_for_all and not found_inf:
+            self._update()
         self._versions = [(p.grad, p.grad._version) for p in self._reducer.params if p.grad is not None]
 
-    def _clip_and_update(self) -> None:
+    def _clip(self) -> None:
         with torch.no_grad():
             groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
             for p in self._reducer.params:
@@ -107,7 +135,6 @@ class OverlappedOptimizer:
                 coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
                 for (device, _), members in groups.items():
                     torch._foreach_mul_([p.grad for p in members], coef.to(device))
-        self._update()
 
     def _step(self, closure: Any = None) -> None:
         """Return once every bucket's update has run (they run during backward's end)."""

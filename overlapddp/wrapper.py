@@ -233,6 +233,7 @@ class OverlapDDP(nn.Module, Joinable):
         *,
         overlap: bool = False,
         max_grad_norm: float | None = None,
+        scaler: torch.amp.GradScaler | None = None,
         strict: bool = False,
         allow_unsynced: bool = False,
     ) -> OptimizerGuard | OverlappedOptimizer:
@@ -240,8 +241,9 @@ class OverlapDDP(nn.Module, Joinable):
 
         With ``overlap=True`` each bucket's update runs as soon as that bucket is reduced, while later
         buckets are still reducing; ``step()`` then returns once all updates are done (SGD, Adam, AdamW).
-        ``max_grad_norm`` clips as ``clip_grad_norm_`` would (per-bucket norms overlap communication;
-        the updates then wait for the total norm).
+        ``max_grad_norm`` clips as ``clip_grad_norm_`` would, and ``scaler`` unscales as
+        ``scaler.unscale_`` would (per-bucket norms and unscaling overlap communication; the updates
+        then wait for the last bucket). Keep calling ``scaler.step(optimizer)`` and ``scaler.update()``.
 
         Example::
 
@@ -249,9 +251,12 @@ class OverlapDDP(nn.Module, Joinable):
             >>> loss.backward(); optimizer.step()       # raises if a gradient is stale or in flight
         """
         if overlap:
-            return OverlappedOptimizer(self._reducer, optimizer, max_grad_norm=max_grad_norm)
-        if max_grad_norm is not None:
-            raise ValueError("max_grad_norm is for overlap=True; without overlap call clip_grad_norm_ before step().")
+            return OverlappedOptimizer(self._reducer, optimizer, max_grad_norm=max_grad_norm, scaler=scaler)
+        if max_grad_norm is not None or scaler is not None:
+            raise ValueError(
+                "max_grad_norm and scaler are for overlap=True; without overlap call scaler.unscale_(optimizer) "
+                "and clip_grad_norm_ before step() as usual."
+            )
         return OptimizerGuard(self._reducer, optimizer, strict=strict, allow_unsynced=allow_unsynced)
 
     def record_fences(self) -> FenceLog:

@@ -20,27 +20,47 @@ OPTIMIZERS = {
 CASES = [(m, o) for m in ("cnn_bn", "transformer") for o in OPTIMIZERS]
 
 
+INF_STEP, INF_RANK = 2, 1  # with loss scaling, this rank's loss is made infinite at this step
+
+
 def _compare(
-    rank: int, world_size: int, skip_last_bucket: bool = False, max_norm: float | None = None
+    rank: int, world_size: int, skip_last_bucket: bool = False, max_norm: float | None = None,
+    scaled: bool = False, ignore_inf: bool = False,
 ) -> dict[str, list[bool]]:
     results = {}
     for model_name, opt_name in CASES:
         ddp = DistributedDataParallel(models.build(model_name), bucket_cap_mb=0.001)
         ours = OverlapDDP(models.build(model_name), bucket_cap_mb=0.001)
         ddp_opt, our_opt = OPTIMIZERS[opt_name](ddp.parameters()), OPTIMIZERS[opt_name](ours.parameters())
-        ours.attach_optimizer(our_opt, overlap=True, max_grad_norm=max_norm)
+        # Growth every 2 steps, so the scale both grows and (after the infinite step) halves.
+        scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2, enabled=scaled)
+                   for _ in range(2)]
+        ours.attach_optimizer(our_opt, overlap=True, max_grad_norm=max_norm, scaler=scalers[1])
         if skip_last_bucket:  # fault: the last bucket's update is lost
             ours._reducer.after_bucket_reduced = _skipping_last(ours, ours._reducer.after_bucket_reduced)
+        if ignore_inf:  # fault: the updates run although a gradient was not finite
+            unscaler = ours._reducer.after_all_reduced.__self__._unscaler
+            hand_over = unscaler.hand_over
+            unscaler.hand_over = lambda: hand_over() and False
         equal = []
         for step in range(4):
             inputs, target = models.batch(model_name, rank, step)
-            for wrapper, opt in ((ddp, ddp_opt), (ours, our_opt)):
-                models.loss_of(wrapper(inputs), target).backward()
-                if max_norm is not None and wrapper is ddp:
-                    torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm)
-                opt.step()
+            for wrapper, opt, scaler in ((ddp, ddp_opt, scalers[0]), (ours, our_opt, scalers[1])):
+                loss = models.loss_of(wrapper(inputs), target)
+                if scaled and (step, rank) == (INF_STEP, INF_RANK):
+                    loss = loss * float("inf")
+                scaler.scale(loss).backward()
+                if wrapper is ddp:  # the usual order: unscale, clip, step
+                    scaler.unscale_(opt)
+                    if max_norm is not None:
+                        torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm)
+                scaler.step(opt)
+                scaler.update()
                 opt.zero_grad()
-            equal.append(all(torch.equal(a, b) for a, b in zip(ddp.state_dict().values(), ours.state_dict().values())))
+            equal.append(
+                all(torch.equal(a, b) for a, b in zip(ddp.state_dict().values(), ours.state_dict().values()))
+                and scalers[0].get_scale() == scalers[1].get_scale()
+            )
         results[f"{model_name}-{opt_name}"] = equal
     return results
 
@@ -54,8 +74,8 @@ def _skipping_last(model: OverlapDDP, update):
 
 
 @functools.cache
-def outcomes(world_size: int, max_norm: float | None = None):
-    return run_ranks(world_size, _compare, False, max_norm)
+def outcomes(world_size: int, max_norm: float | None = None, scaled: bool = False):
+    return run_ranks(world_size, _compare, False, max_norm, scaled)
 
 
 @pytest.mark.parametrize("world_size", (2, 3))
@@ -69,6 +89,20 @@ def test_overlapped_clipping_is_bit_equal_to_clip_grad_norm_then_step():
     for rank, results in enumerate(outcomes(3, 0.05)):  # small enough that every step clips
         for case, equal in results.items():
             assert equal == [True] * 4, f"rank {rank} {case}: {equal}"
+
+
+@pytest.mark.parametrize("max_norm", (None, 0.05))
+def test_overlapped_loss_scaling_is_bit_equal_to_unscale_clip_then_scaler_step(max_norm):
+    # Step INF_STEP has an infinite gradient: every rank must skip it, and the scale must halve.
+    for rank, results in enumerate(outcomes(3, max_norm, True)):
+        for case, equal in results.items():
+            assert equal == [True] * 4, f"rank {rank} {case}: {equal}"
+
+
+def test_comparison_catches_updates_that_ignore_an_infinite_gradient():
+    for results in run_ranks(3, _compare, False, None, True, True):
+        for case, equal in results.items():
+            assert equal[:INF_STEP] == [True] * INF_STEP and not any(equal[INF_STEP:]), (case, equal)
 
 
 def test_comparison_catches_a_lost_bucket_update():
@@ -104,3 +138,25 @@ def test_clipping_after_the_overlapped_update_is_detected_and_points_to_max_grad
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
     with pytest.raises(RuntimeError, match="cannot be honored. Pass max_grad_norm"):
         opt.step()
+
+
+def test_unscale_after_the_overlapped_update_is_refused_and_points_to_max_grad_norm(one_rank):
+    model = OverlapDDP(models.build("mlp"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    model.attach_optimizer(opt, overlap=True, scaler=scaler)
+    inputs, target = models.batch("mlp", 0, 0)
+    scaler.scale(models.loss_of(model(inputs), target)).backward()
+    with pytest.raises(RuntimeError, match="already run when backward returns.*max_grad_norm"):
+        scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+
+
+def test_backward_of_an_unscaled_loss_with_a_scaler_attached_is_refused(one_rank):
+    model = OverlapDDP(models.build("mlp"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.attach_optimizer(opt, overlap=True, scaler=torch.amp.GradScaler("cpu"))
+    inputs, target = models.batch("mlp", 0, 0)
+    with pytest.raises(RuntimeError, match="backpropagate scaler.scale"):
+        models.loss_of(model(inputs), target).backward()
