@@ -39,6 +39,7 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -80,14 +81,14 @@ TORCHVISION_KWARGS: dict[str, dict[str, bool]] = {
 class TinyLM(nn.Module):
     """Causal transformer LM: one large embedding and head around many mid-sized tensors."""
 
-    def __init__(self) -> None:
+    def __init__(self, layers: int = LM_LAYERS) -> None:
         super().__init__()
         self.embed = nn.Embedding(LM_VOCAB, LM_D_MODEL)
         # Separate layer instances (not TransformerEncoder's deep copies) so
         # that the layers start from different weights, as in a real model.
         self.layers = nn.ModuleList(
             nn.TransformerEncoderLayer(LM_D_MODEL, LM_HEADS, 4 * LM_D_MODEL, batch_first=True)
-            for _ in range(LM_LAYERS)
+            for _ in range(layers)
         )
         self.head = nn.Linear(LM_D_MODEL, LM_VOCAB)
 
@@ -101,7 +102,7 @@ class TinyLM(nn.Module):
         return self.head(hidden)
 
 
-def build_model(name: str) -> nn.Module:
+def build_model(name: str, lm_layers: int = LM_LAYERS) -> nn.Module:
     """Build the named workload's model (call under a fixed seed for identical copies)."""
     if name == "mlp":
         layers: list[nn.Module] = []
@@ -110,7 +111,7 @@ def build_model(name: str) -> nn.Module:
         layers.append(nn.Linear(MLP_WIDTH, NUM_CLASSES))
         return nn.Sequential(*layers)
     if name == "transformer":
-        return TinyLM()
+        return TinyLM(lm_layers)
     return torchvision.models.get_model(
         name, weights=None, num_classes=NUM_CLASSES, **TORCHVISION_KWARGS.get(name, {})
     )
@@ -173,29 +174,51 @@ class RankContext:
 
 
 def make_variant(ctx: RankContext, label: str, wrapper: type[nn.Module]) -> Variant:
-    """Build a fresh seeded model, wrap it and give it its own optimizer."""
-    torch.manual_seed(ctx.args.seed)
-    module = build_model(ctx.args.model).to(ctx.device)
+    """Build a fresh seeded model, wrap it as the command line says and give it its own optimizer."""
+    args = ctx.args
+    torch.manual_seed(args.seed)
+    module = build_model(args.model).to(ctx.device)
     kwargs: dict[str, object] = {}
-    if ctx.args.bucket_cap_mb is not None:
-        kwargs["bucket_cap_mb"] = ctx.args.bucket_cap_mb
-    if ctx.device.type == "cuda":
-        kwargs["device_ids"] = [ctx.device.index]
-    model = wrapper(module, **kwargs)
-    if ctx.args.link_gbps is not None:
-        # Same hook, separate state: each variant has its own link, and they never run at once.
-        model.register_comm_hook(LinkState(ctx.args.link_gbps), link_allreduce_hook)
+    if args.bucket_cap_mb is not None:
+        kwargs["bucket_cap_mb"] = args.bucket_cap_mb
+    return wrap_variant(ctx, label, module, wrapper, kwargs, args.link_gbps, args.optimizer_overlap)
+
+
+def wrap_variant(
+    ctx: RankContext,
+    label: str,
+    module: nn.Module,
+    wrapper: type[nn.Module] | None,
+    kwargs: dict[str, object],
+    link_gbps: float | None,
+    optimizer_overlap: bool,
+) -> Variant:
+    """Wrap ``module`` with ``kwargs`` and give it its own optimizer, so variants share one recipe.
+
+    ``wrapper=None`` trains the bare module, without communication (then neither a link nor kwargs apply).
+    """
+    model = module
+    if wrapper is not None:
+        if ctx.device.type == "cuda":
+            kwargs = {**kwargs, "device_ids": [ctx.device.index]}
+        model = wrapper(module, **kwargs)
+        if link_gbps is not None:
+            # Same hook, separate state: each variant has its own link, and they never run at once.
+            model.register_comm_hook(LinkState(link_gbps), link_allreduce_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    if ctx.args.optimizer_overlap and hasattr(model, "attach_optimizer"):
+    if optimizer_overlap and hasattr(model, "attach_optimizer"):
         model.attach_optimizer(optimizer, overlap=True)  # updates run per bucket at backward's end
     return Variant(label, module, model, optimizer)
 
 
+def forward_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Forward and cross-entropy over every position (one per image, one per token)."""
+    return F.cross_entropy(model(inputs).flatten(0, -2), targets.flatten())
+
+
 def train_step(variant: Variant, inputs: torch.Tensor, targets: torch.Tensor) -> None:
     """Forward, cross-entropy, backward, optimizer step, zero_grad."""
-    output = variant.model(inputs)
-    loss = F.cross_entropy(output.flatten(0, -2), targets.flatten())
-    loss.backward()
+    forward_loss(variant.model, inputs, targets).backward()
     variant.optimizer.step()
     variant.optimizer.zero_grad()
 
@@ -212,10 +235,12 @@ def run_block(
     variant: Variant,
     steps: int,
     spans: list[tuple[float, float]] | None = None,
+    step: Callable[[Variant, torch.Tensor, torch.Tensor], None] = train_step,
 ) -> list[float]:
     """Run ``steps`` steps after a barrier; return each step's slowest-rank seconds.
 
-    ``spans``, if given, gets this rank's (start, end) perf_counter times of each step.
+    ``spans``, if given, gets this rank's (start, end) perf_counter times of each step; ``step``
+    trains one step (a phase-timing step can stand in for ``train_step``).
     """
     dist.barrier()
     durations = []
@@ -224,7 +249,7 @@ def run_block(
         # Reseed the global RNG so dropout-like layers draw the same for both variants.
         torch.manual_seed(step_seed(ctx.args.seed, ctx.rank, variant.next_step))
         start = time.perf_counter()
-        train_step(variant, inputs, targets)
+        step(variant, inputs, targets)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         end = time.perf_counter()
@@ -366,27 +391,46 @@ def link_summary(args: argparse.Namespace, module: nn.Module) -> dict[str, float
     }
 
 
-def summarize(reference: Variant, candidate: Variant, orders: list[str]) -> dict[str, object]:
-    """Per-variant medians over all timed steps and per-repeat candidate/reference ratios."""
+def step_times(variant: Variant) -> dict[str, object]:
+    """A variant's median over all timed steps, its per-repeat medians and every step, in ms."""
+    return {
+        "median_step_ms": median_ms([t for block in variant.block_times for t in block]),
+        "repeat_median_ms": [median_ms(block) for block in variant.block_times],
+        "step_ms": [[t * 1e3 for t in block] for block in variant.block_times],
+    }
+
+
+def repeat_ratios(reference: Variant, candidate: Variant) -> dict[str, object]:
+    """Candidate/reference ratio of each repeat's block medians, and their median, min and max.
+
+    Ratios within a repeat compare blocks that ran back to back, so drift between repeats cancels.
+    """
     ratios = [
         statistics.median(cand) / statistics.median(ref)
         for ref, cand in zip(reference.block_times, candidate.block_times)
     ]
     return {
-        "variants": {
-            v.label: {
-                "median_step_ms": median_ms([t for block in v.block_times for t in block]),
-                "repeat_median_ms": [median_ms(block) for block in v.block_times],
-                "step_ms": [[t * 1e3 for t in block] for block in v.block_times],
-            }
-            for v in (reference, candidate)
-        },
-        "ratio_per_repeat": ratios,
-        "ratio_median": statistics.median(ratios),
-        "ratio_min": min(ratios),
-        "ratio_max": max(ratios),
+        "per_repeat": ratios,
+        "median": statistics.median(ratios),
+        "min": min(ratios),
+        "max": max(ratios),
+    }
+
+
+def summarize(reference: Variant, candidate: Variant, orders: list[str]) -> dict[str, object]:
+    """Per-variant medians over all timed steps and per-repeat candidate/reference ratios."""
+    ratios = repeat_ratios(reference, candidate)
+    return {
+        "variants": {v.label: step_times(v) for v in (reference, candidate)},
+        **{f"ratio_{key}": value for key, value in ratios.items()},
         "first_in_repeat": orders,
     }
+
+
+def aligned(rows: list[tuple[str, ...]]) -> list[str]:
+    """Left-aligned fixed-width columns, two spaces apart."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in rows]
 
 
 def format_table(results: dict[str, object], reference: str, candidate: str) -> str:
@@ -401,8 +445,7 @@ def format_table(results: dict[str, object], reference: str, candidate: str) -> 
         (reference, f"{variants[reference]['median_step_ms']:.2f}", "1 (reference)", bit_equal),
         (candidate, f"{variants[candidate]['median_step_ms']:.2f}", ratio, bit_equal),
     ]
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in rows]
+    lines = aligned(rows)
     link = results["link"]
     if link is not None:
         lines.append(
@@ -494,7 +537,13 @@ def benchmark(ctx: RankContext) -> dict[str, object]:
     return results
 
 
-def run_rank(rank: int, args: argparse.Namespace, store_port: int) -> None:
+def run_rank(
+    rank: int,
+    args: argparse.Namespace,
+    store_port: int,
+    run_benchmark: Callable[[RankContext], dict[str, object]],
+    report_results: Callable[[argparse.Namespace, dict[str, object]], None],
+) -> None:
     """Entry point of one spawned rank: join the group, benchmark, report on rank 0."""
     torch.set_num_threads(1)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
@@ -502,9 +551,9 @@ def run_rank(rank: int, args: argparse.Namespace, store_port: int) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=args.world_size)
     try:
         ctx = RankContext(args, rank, rank_device(args, rank))
-        results = benchmark(ctx)
+        results = run_benchmark(ctx)
         if rank == 0:
-            report(args, results)
+            report_results(args, results)
     finally:
         dist.destroy_process_group()
 
@@ -514,12 +563,39 @@ def report(args: argparse.Namespace, results: dict[str, object]) -> None:
     reference, candidate = results["labels"]
     print(format_table(results, reference, candidate), flush=True)
     if args.json:
-        payload = {"config": vars(args), "torch": torch.__version__, **results}
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+        write_json(args, results)
     if args.plot:
         for path in plots.write_all(results, vars(args), Path(args.plot)):
             print(f"wrote {path}", flush=True)
+
+
+def write_json(args: argparse.Namespace, results: dict[str, object]) -> None:
+    """Write the results to ``args.json`` with the configuration and torch version, to reproduce them."""
+    payload = {"config": vars(args), "torch": torch.__version__, **results}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, steps: int, warmup: int) -> None:
+    """Options every interleaved benchmark here shares: ranks, batch, repeats, seed, output, device."""
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=8, help="per-rank batch size")
+    parser.add_argument("--image-size", type=int, default=64, help="input side for vision models")
+    parser.add_argument("--steps", type=int, default=steps, help="timed steps per variant per repeat")
+    parser.add_argument("--warmup", type=int, default=warmup, help="untimed steps per variant")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, metavar="PATH", help="write all results here")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+
+
+def check_run_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Reject counts ``add_run_arguments``'s options cannot take, through ``parser.error``."""
+    for name in ("world_size", "batch_size", "image_size", "steps", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.warmup < 0:
+        parser.error("--warmup must not be negative")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -530,18 +606,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--model", default="resnet18", help="torchvision model name, 'mlp' or 'transformer'"
     )
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=8, help="per-rank batch size")
-    parser.add_argument("--image-size", type=int, default=64, help="input side for vision models")
+    add_run_arguments(parser, steps=20, warmup=3)
     parser.add_argument(
         "--bucket-cap-mb", type=float, default=None, help="default: DDP's own default"
     )
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant per repeat")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None, metavar="PATH", help="write all results here")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
         "--link-gbps",
         type=float,
@@ -568,11 +636,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="wrapper compared against DDP; 'ddp' runs DDP against itself",
     )
     args = parser.parse_args(argv)
-    for name in ("world_size", "batch_size", "image_size", "steps", "repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.warmup < 0:
-        parser.error("--warmup must not be negative")
+    check_run_arguments(parser, args)
     if args.link_gbps is not None and not args.link_gbps > 0:
         parser.error("--link-gbps must be positive")
     return args
@@ -590,9 +654,26 @@ def main(argv: list[str] | None = None) -> None:
         candidate_class(args.candidate)
     except ImportError as error:
         sys.exit(f"cannot import the candidate ({error}); use --candidate ddp for an A/A run")
+    launch(args, benchmark, report)
+
+
+def launch(
+    args: argparse.Namespace,
+    run_benchmark: Callable[[RankContext], dict[str, object]],
+    report_results: Callable[[argparse.Namespace, dict[str, object]], None],
+) -> None:
+    """Spawn ``args.world_size`` single-threaded gloo ranks that run ``run_benchmark``; rank 0 reports.
+
+    Both functions must be module-level, so that the spawned ranks can unpickle them.
+    """
     # Port 0 lets the OS pick a free port; the parent hosts the store for the run.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=STORE_TIMEOUT)
-    mp.spawn(run_rank, args=(args, store.port), nprocs=args.world_size, join=True)
+    mp.spawn(
+        run_rank,
+        args=(args, store.port, run_benchmark, report_results),
+        nprocs=args.world_size,
+        join=True,
+    )
 
 
 if __name__ == "__main__":

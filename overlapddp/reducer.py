@@ -12,6 +12,7 @@ driven by hand in tests. The wrapper calls, per iteration:
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -23,6 +24,7 @@ from overlapddp.bucket_storage import BucketStorage
 from overlapddp.comm_hook import Bucket, CommHook, allreduce_sum, hook_result, is_unchained, run_hook
 from overlapddp.fence import Fence
 from overlapddp.param_usage import UsageMap, grad_accumulators, unreachable
+from overlapddp.plan_tuner import PlanTuner
 from overlapddp.token_weighting import TokenCount
 
 
@@ -43,6 +45,7 @@ class ReducerOptions:
     gradient_as_bucket_view: bool = False  # param.grad is a view into its bucket, no copy-out
     batched_grad_copy: bool = False  # copy unscaled, then divide each bucket (true division)
     skip_all_reduce_unused_params: bool = False  # never reduce buckets holding only unused params
+    tuned_plan: bool = False  # after DDP's rebuild, measure, then re-plan buckets (plan_tuner.py)
 
 
 class Reducer:
@@ -100,6 +103,7 @@ class Reducer:
         # until the first synchronized backward ended).
         self._fires = [0] * len(self.params)
         self._expected_fires: list[int] | None = None
+        self._tuner = PlanTuner(self.params) if options.tuned_plan else None
         self._install_plan(
             initial_plan(self.params, self._sparse_gradient, caps, options.find_unused_parameters, options.static_graph)
         )
@@ -162,7 +166,13 @@ class Reducer:
         """The gradient-ready order the buckets were rebuilt from (None before, or without, a rebuild)."""
         return list(self._rebuilt_from) or None
 
-    def restore_bucket_order(self, order: list[int] | None) -> None:
+    def tuned_buckets(self) -> list[list[int]] | None:
+        """The tuned layout, once installed (None before, or without ``bucket_plan="tuned"``)."""
+        if self._tuner is None or not self._tuner.done:
+            return None
+        return [list(members) for members in self.plan.buckets]
+
+    def restore_bucket_order(self, order: list[int] | None, tuned: list[list[int]] | None = None) -> None:
         """Resume with the layout a checkpointed run had, so that its continuation is bit-equal."""
         if order is None:
             return
@@ -170,7 +180,16 @@ class Reducer:
         self._rebuild_pending = False
         self._ready_order = []
         self._rebuilt_from = list(order)
-        self._install_plan(rebuilt_plan(self.params, self._sparse_gradient, self._caps, order))
+        plan = rebuilt_plan(self.params, self._sparse_gradient, self._caps, order)
+        if tuned is not None:
+            if self._tuner is None:
+                raise ValueError("This bucket state holds a tuned layout; construct with bucket_plan='tuned'.")
+            if sorted(i for b in tuned for i in b) != list(range(len(self.params))):
+                raise ValueError(f"The tuned layout must hold each of the {len(self.params)} parameters once.")
+            self._tuner.done = True
+            sizes = tuple(sum(self.params[i].numel() * self.params[i].element_size() for i in b) for b in tuned)
+            plan = BucketPlan(tuple(tuple(b) for b in tuned), sizes)
+        self._adopt_plan(plan)
 
     def enable_token_weighting(self) -> TokenCount:
         """Divide by the global token count instead of the world size (see token_weighting.py)."""
@@ -199,14 +218,22 @@ class Reducer:
             self._rebuild_pending = False
             self._ready_order = []
             self._rebuilt_from = order.tolist()
-            self._install_plan(rebuilt_plan(self.params, self._sparse_gradient, self._caps, self._rebuilt_from))
-            if self.options.gradient_as_bucket_view:
-                for storage in self._storages:
-                    with torch.no_grad():
-                        for param, view in zip(storage.params, storage.views):
-                            if param.grad is not None:
-                                view.copy_(param.grad)
-                    storage.point_grads_at_views()
+            self._adopt_plan(rebuilt_plan(self.params, self._sparse_gradient, self._caps, self._rebuilt_from))
+        elif self._tuner is not None and self._tuner.due:
+            plan = self._tuner.agree(self.process_group, self._storages[0].buffer.device)
+            if plan is not None:
+                self._adopt_plan(plan)
+
+    def _adopt_plan(self, plan: BucketPlan) -> None:
+        """Switch layouts between iterations; with gradient_as_bucket_view, the gradients move along."""
+        self._install_plan(plan)
+        if self.options.gradient_as_bucket_view:
+            for storage in self._storages:
+                with torch.no_grad():
+                    for param, view in zip(storage.params, storage.views):
+                        if param.grad is not None:
+                            view.copy_(param.grad)
+                storage.point_grads_at_views()
 
     def check_not_in_backward(self) -> None:
         """A forward from inside backward (a hook) would interleave its collectives with the buckets'."""
@@ -230,6 +257,8 @@ class Reducer:
         if self.tokens is not None:
             self.tokens.launch(self.process_group)  # overlaps backward; waited at the first fill
             self._divide_by = None
+        if self._tuner is not None and self.has_rebuilt_buckets:
+            self._tuner.start_iteration()
         if self._dynamic_unused:
             self._unused = unreachable(outputs, self._accumulators)
         self.state = ReducerState.BACKWARD
@@ -278,6 +307,8 @@ class Reducer:
         """Count one gradient in; fill and launch every bucket that is complete, in index order."""
         self._marked[index] = True
         self._require_finalize = True
+        if self._tuner is not None:
+            self._tuner.gradient_ready(index)
         bucket = self._locate[index]
         self._pending[bucket] -= 1
         if self._pending[bucket] == 0:
@@ -345,7 +376,15 @@ class Reducer:
         bucket = self._bucket(index, storage.buffer)
         with torch.autograd.profiler.record_function(f"overlapddp.bucket_{index}.launch"):
             self._fence.produced(index, storage.buffer)
-            self._fence.launch(index, lambda: self._start_reduction(bucket))
+            self._fence.launch(index, lambda: self._start_measured(bucket))
+
+    def _start_measured(self, bucket: Bucket) -> torch.futures.Future:
+        started = time.perf_counter()
+        future = self._start_reduction(bucket)
+        if self._tuner is not None:
+            buffer = bucket.buffer()
+            self._tuner.bucket_launched(buffer.numel() * buffer.element_size(), started, future)
+        return future
 
     def _bucket(self, index: int, buffer: torch.Tensor) -> Bucket:
         storage = self._storages[index]
@@ -379,6 +418,8 @@ class Reducer:
             self._usage.shadow_reduction(self.process_group)
         if self._rebuild_pending and not self._ready_order:
             self._ready_order = list(range(len(self.params)))
+        elif self._tuner is not None and self.has_rebuilt_buckets:
+            self._tuner.shadow_iteration()
 
     def set_join_count(self, work: dist.Work, divide_by_initial_world_size: bool) -> None:
         """Under ``Join``: ``work`` sums 1 per rank still training; average over those ranks unless
@@ -415,6 +456,8 @@ class Reducer:
             # DDP appends the parameters that never fired to the recorded order at finalize.
             self._ready_order += [i for i in self._unused]
         self._fence.end_iteration()
+        if self._tuner is not None:
+            self._tuner.end_iteration()
         self.reductions += 1
         self.local_gradients_since_reduction = False
         self._require_finalize = False
@@ -479,6 +522,8 @@ class Reducer:
             self._storages[index] = BucketStorage(index, [self.params[i] for i in members])
         self._require_finalize = False
         self._ready_order = []
+        if self._tuner is not None:
+            self._tuner.discard_iteration()
         if self._dynamic_unused:
             self._usage.reset()
         self._reset_iteration()

@@ -34,10 +34,16 @@ _NOT_YET = {
     "param_to_hook_all_reduce": "let all parameters be reduced in buckets",
     "mixed_precision": "cast the model yourself, or register fp16_compress_hook",
 }
+# "ddp": DDP's exact layout (bit-equal at every world size); "tuned": sized from a measured backward
+# and link after a few iterations (tuned_plan.py), the same reduction in other buckets.
+BUCKET_PLANS = ("ddp", "tuned")
 
 
 class OverlapDDP(nn.Module, Joinable):
     """Drop-in ``DistributedDataParallel``: the same arguments, the same numbers, explicit fences.
+
+    Beyond DDP's arguments, the keyword ``bucket_plan="tuned"`` re-plans the buckets after two
+    measured iterations so that the last reduction ends as soon after backward as the link allows.
 
     Example::
 
@@ -68,6 +74,8 @@ class OverlapDDP(nn.Module, Joinable):
         bucket_cap_mb_list: list[int] | None = None,
         batched_grad_copy: bool = False,
         forward_sync_buffers: bool | None = None,
+        *,
+        bucket_plan: str = "ddp",
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
@@ -131,12 +139,21 @@ class OverlapDDP(nn.Module, Joinable):
                 UserWarning,
                 stacklevel=2,
             )
+        if bucket_plan not in BUCKET_PLANS:
+            raise ValueError(f"bucket_plan must be one of {', '.join(map(repr, BUCKET_PLANS))}, got {bucket_plan!r}.")
+        if bucket_plan == "tuned" and find_unused_parameters and not static_graph:
+            raise ValueError(
+                "bucket_plan='tuned' re-plans the buckets after DDP's ready-order rebuild, which "
+                "find_unused_parameters=True never does on a dynamic graph; use bucket_plan='ddp', or "
+                "static_graph=True if the graph does not change."
+            )
         options = ReducerOptions(
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
             gradient_as_bucket_view=gradient_as_bucket_view,
             batched_grad_copy=batched_grad_copy,
             skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+            tuned_plan=bucket_plan == "tuned",
         )
         self._reducer = Reducer(params, names, self.process_group, fence_for(self.device), caps, sparse, options)
         self._hook_handles = _register_ready_hooks(self._reducer, params)
@@ -288,13 +305,13 @@ class OverlapDDP(nn.Module, Joinable):
 
     def bucket_state(self) -> dict[str, Any]:
         """What a checkpoint needs, beside ``state_dict()``, to resume bit-exactly: the bucket layout."""
-        return {"ready_order": self._reducer.bucket_order()}
+        return {"ready_order": self._reducer.bucket_order(), "tuned_buckets": self._reducer.tuned_buckets()}
 
     def load_bucket_state(self, state: dict[str, Any]) -> None:
         """Adopt a checkpoint's bucket layout (call before the first forward after resuming)."""
         if not isinstance(state, dict) or "ready_order" not in state:
             raise ValueError(f"Expected the dict returned by bucket_state(), got {state!r}.")
-        self._reducer.restore_bucket_order(state["ready_order"])
+        self._reducer.restore_bucket_order(state["ready_order"], state.get("tuned_buckets"))
 
     @property
     def _has_rebuilt_buckets(self) -> bool:

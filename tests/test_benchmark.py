@@ -1,12 +1,14 @@
-"""Smoke tests for benchmarks/compare.py: a tiny run over the emulated link, and its charts.
+"""Smoke tests for benchmarks/compare.py and beyond_ddp.py: tiny runs over the emulated link, and
+compare.py's charts.
 
-Each run spawns two fresh gloo ranks, so a test takes seconds; the MLP with two timed steps per
-repeat keeps one run well under half a minute on two CPU cores.
+Each run spawns two fresh gloo ranks, so a test takes seconds; the MLP with one or two timed steps
+per repeat keeps one run well under half a minute on two CPU cores.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -18,22 +20,29 @@ from benchmarks.link import LinkState, ring_allreduce_seconds
 
 REPO = Path(__file__).resolve().parent.parent
 COMPARE = REPO / "benchmarks" / "compare.py"
+BEYOND_DDP = REPO / "benchmarks" / "beyond_ddp.py"
 RUN_TIMEOUT_S = 120
 TINY_RUN = ["--model", "mlp", "--steps", "2", "--warmup", "1", "--repeats", "2", "--link-gbps", "1"]
 
 
-def compare(*args: str) -> subprocess.CompletedProcess[str]:
-    """Run compare.py on two CPU ranks with ``args``; returns the finished process."""
+def run_script(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run a benchmark script on CPU ranks with ``args``; returns the finished process."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run(
-        [sys.executable, str(COMPARE), *args], cwd=REPO, env=env, capture_output=True, text=True,
+        [sys.executable, str(script), *args], cwd=REPO, env=env, capture_output=True, text=True,
         timeout=RUN_TIMEOUT_S,
     )
 
 
+def compare(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run compare.py on two CPU ranks with ``args``; returns the finished process."""
+    return run_script(COMPARE, *args)
+
+
 def check_ok(result: subprocess.CompletedProcess[str]) -> None:
     assert result.returncode == 0, (
-        f"compare.py exited with {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+        f"{Path(result.args[1]).name} exited with {result.returncode}\n--- stdout\n{result.stdout}\n"
+        f"--- stderr\n{result.stderr}"
     )
 
 
@@ -78,6 +87,40 @@ def test_optimizer_overlap_over_the_link_stays_bit_equal(tmp_path):
     path = tmp_path / "result.json"
     check_ok(compare(*TINY_RUN, "--optimizer-overlap", "--json", str(path)))
     assert json.loads(path.read_text())["bit_equal"] is True
+
+
+def test_beyond_ddp_reports_every_variant_bit_equal_against_ddp_and_the_bound(tmp_path):
+    path = tmp_path / "beyond.json"
+    result = run_script(
+        BEYOND_DDP, "--models", "mlp", "--steps", "1", "--repeats", "2", "--warmup", "4", "--json", str(path)
+    )
+    check_ok(result)
+    payload = json.loads(path.read_text())
+    expected = ["ddp-25", "ddp-1", "ddp-5", "ddp-100", "overlap", "overlap-tuned", "local"]
+    mlp = payload["models"]["mlp"]
+    rows = mlp["variants"]
+    assert list(rows) == expected
+    assert mlp["steps_per_variant"] == 4 + 2 * 1  # warm-up plus repeats x steps, the same for all
+    for label, row in rows.items():
+        # Same data, same step count, bucket_cap_mb does not change the sum at world size 2.
+        if label != "local":
+            assert row["bit_equal"] is True, (label, row["rank0_mismatched_tensors"])
+        ratios = [row["vs_bound"]]
+        ratios += [row[key][stat] for key in ("vs_ddp_default", "vs_best_ddp") for stat in ("median", "min", "max")]
+        assert all(math.isfinite(r) and r > 0 for r in ratios), (label, ratios)
+    assert rows["local"]["bit_equal"] is None
+    ddp = [label for label in rows if label.startswith("ddp-")]
+    assert mlp["best_ddp"] == min(ddp, key=lambda label: rows[label]["median_step_ms"])
+    assert rows[mlp["best_ddp"]]["vs_best_ddp"]["median"] == 1
+    bound = mlp["bound"]
+    assert bound["bound_ms"] > 0 and bound["bound_ms"] >= bound["forward_ms"] + bound["optimizer_ms"]
+    assert bound["bound_ms"] == pytest.approx(
+        bound["forward_ms"] + max(bound["backward_ms"], bound["communication_ms"]) + bound["optimizer_ms"]
+    )
+    link_ms = ring_allreduce_seconds(bound["gradient_bytes_per_step"], 2, 1.0) * 1e3
+    assert bound["communication_ms"] == pytest.approx(link_ms)
+    assert "vs best DDP" in result.stdout and "bound T_f + max(T_b, T_c) + T_opt" in result.stdout
+    assert "left" in result.stderr or "done in" in result.stderr
 
 
 def test_plot_without_matplotlib_says_how_to_install_it(tmp_path):

@@ -17,10 +17,14 @@ from tests.multiprocess import run_ranks
 
 
 def test_constructor_signature_matches_ddp_names_order_and_defaults():
-    ours = inspect.signature(OverlapDDP.__init__).parameters
-    theirs = inspect.signature(DistributedDataParallel.__init__).parameters
-    assert list(ours) == list(theirs)
-    assert [p.default for p in ours.values()] == [p.default for p in theirs.values()]
+    ours = list(inspect.signature(OverlapDDP.__init__).parameters.values())
+    theirs = list(inspect.signature(DistributedDataParallel.__init__).parameters.values())
+    assert [p.name for p in ours[: len(theirs)]] == [p.name for p in theirs]
+    assert [p.default for p in ours[: len(theirs)]] == [p.default for p in theirs]
+    assert [p.kind for p in ours[: len(theirs)]] == [p.kind for p in theirs]
+    # Our own additions come after DDP's, keyword-only, so no positional call changes meaning.
+    extras = ours[len(theirs):]
+    assert [(p.name, p.default, p.kind) for p in extras] == [("bucket_plan", "ddp", inspect.Parameter.KEYWORD_ONLY)]
 
 
 @pytest.mark.parametrize(
