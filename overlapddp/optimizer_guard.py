@@ -5,6 +5,11 @@ checks the reducer: no bucket of the current backward may still be reducing, the
 come from a synchronized backward (not only ``no_sync`` ones), and they must be new since the last
 step. On CUDA it also makes the stream that runs ``step()`` wait for the reductions, so a step on
 another stream than backward still reads final values.
+
+The same checks guard ``zero_grad()`` and, when a scaler is given, ``scaler.unscale_(optimizer)``
+(also called by ``scaler.step``), before they touch a gradient. Other in-place writes from inside
+backward (``clip_grad_norm_`` in a hook) cannot be intercepted beforehand; the reducer then reports
+them at the end of backward, before any step (see ``Reducer.watch_gradient_writes``).
 """
 
 from __future__ import annotations
@@ -23,7 +28,14 @@ class OptimizerGuard:
     reduction's consumer); ``allow_unsynced`` permits steps on local gradients (e.g. local SGD).
     """
 
-    def __init__(self, reducer: Reducer, optimizer: torch.optim.Optimizer, strict: bool, allow_unsynced: bool) -> None:
+    def __init__(
+        self,
+        reducer: Reducer,
+        optimizer: torch.optim.Optimizer,
+        strict: bool,
+        allow_unsynced: bool,
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
         self._reducer = reducer
         self.optimizer = optimizer
         self.strict = strict
@@ -35,12 +47,20 @@ class OptimizerGuard:
         ]
         self._unguarded_zero_grad = optimizer.zero_grad
         optimizer.zero_grad = self._zero_grad  # type: ignore[method-assign]
+        self._scaler = scaler
+        if scaler is not None:
+            self._unguarded_unscale = scaler.unscale_
+            scaler.unscale_ = self._unscale  # type: ignore[method-assign]
+        reducer.watch_gradient_writes = True
 
     def detach(self) -> None:
         """Remove the guard from the optimizer."""
         for handle in self._handles:
             handle.remove()
         self.optimizer.zero_grad = self._unguarded_zero_grad  # type: ignore[method-assign]
+        if self._scaler is not None:
+            self._scaler.unscale_ = self._unguarded_unscale  # type: ignore[method-assign]
+        self._reducer.watch_gradient_writes = False
 
     def check(self, action: str) -> None:
         """Raise unless ``action`` may read the gradients now."""
@@ -81,3 +101,8 @@ class OptimizerGuard:
                 f"{self._reducer.rank}; the reduction would write into or read from cleared gradients."
             )
         return self._unguarded_zero_grad(*args, **kwargs)
+
+    def _unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        if optimizer is self.optimizer:
+            self.check("GradScaler.unscale_()")
+        self._unguarded_unscale(optimizer)

@@ -82,6 +82,10 @@ class Reducer:
         self.reductions = 0
         self.local_gradients_since_reduction = False
         self.check_finite = False  # see _check_finite
+        # Set by the optimizer guard: report gradients written while their bucket was reduced,
+        # see _check_untouched. Per bucket: each gradient and its version when it was taken.
+        self.watch_gradient_writes = False
+        self._taken: dict[int, list[tuple[int, torch.Tensor, int]]] = {}
         self.tokens: TokenCount | None = None  # token-weighted reduction, see enable_token_weighting
         # Called in finalize with each bucket's parameters once its gradients are written, while
         # later buckets may still be reducing: the overlapped optimizer's per-bucket update.
@@ -353,6 +357,11 @@ class Reducer:
         )
         if self.options.gradient_as_bucket_view:
             storage.point_grads_at_views()
+        elif self.watch_gradient_writes:
+            self._taken[index] = [
+                (i, p.grad, p.grad._version) for i, p in zip(self.plan.buckets[index], storage.params)
+                if p.grad is not None
+            ]
 
     def _globally_used(self, index: int) -> bool:
         """Whether any rank produced this gradient; a globally unused gradient is left untouched."""
@@ -437,6 +446,7 @@ class Reducer:
                     continue
                 with torch.autograd.profiler.record_function(f"overlapddp.bucket_{index}.complete"):
                     value = self._complete(index)
+                    self._check_untouched(index)
                     write = [self._globally_used(i) for i in self.plan.buckets[index]]
                     result = hook_result(value, hook_name, index, storage.buffer)
                     storage.copy_out(result, write, as_view=self.options.gradient_as_bucket_view)
@@ -475,6 +485,20 @@ class Reducer:
                 f"{self.rank}: {error}. Another rank may have died or timed out. This iteration's gradients "
                 "were not reduced; the process group may no longer be usable."
             ) from error
+
+    def _check_untouched(self, index: int) -> None:
+        """A gradient changed in place (or replaced) after it was copied into its bucket would be
+        silently overwritten by the reduced value: stop instead (guarded optimizers only)."""
+        taken = self._taken.pop(index, [])
+        changed = [self.names[i] for i, grad, version in taken
+                   if self.params[i].grad is not grad or grad._version != version]
+        if changed:
+            raise RuntimeError(
+                f"The gradients of {', '.join(changed)} (bucket {index}) were changed on rank {self.rank} while "
+                "the bucket was being reduced (clip_grad_norm_, zero_grad or another write from inside "
+                "backward); the reduced values would silently replace that change. Change gradients only "
+                "after loss.backward() has returned."
+            )
 
     def _check_finite(self, index: int) -> None:
         """Before bucket ``index`` is reduced, make every rank stop if any rank's gradients there are
@@ -522,6 +546,7 @@ class Reducer:
             self._storages[index] = BucketStorage(index, [self.params[i] for i in members])
         self._require_finalize = False
         self._ready_order = []
+        self._taken = {}
         if self._tuner is not None:
             self._tuner.discard_iteration()
         if self._dynamic_unused:

@@ -261,6 +261,7 @@ class OverlapDDP(nn.Module, Joinable):
         ``max_grad_norm`` clips as ``clip_grad_norm_`` would, and ``scaler`` unscales as
         ``scaler.unscale_`` would (per-bucket norms and unscaling overlap communication; the updates
         then wait for the last bucket). Keep calling ``scaler.step(optimizer)`` and ``scaler.update()``.
+        Without overlap, a ``scaler`` is guarded too: its ``unscale_(optimizer)`` gets the step's checks.
 
         Example::
 
@@ -269,12 +270,9 @@ class OverlapDDP(nn.Module, Joinable):
         """
         if overlap:
             return OverlappedOptimizer(self._reducer, optimizer, max_grad_norm=max_grad_norm, scaler=scaler)
-        if max_grad_norm is not None or scaler is not None:
-            raise ValueError(
-                "max_grad_norm and scaler are for overlap=True; without overlap call scaler.unscale_(optimizer) "
-                "and clip_grad_norm_ before step() as usual."
-            )
-        return OptimizerGuard(self._reducer, optimizer, strict=strict, allow_unsynced=allow_unsynced)
+        if max_grad_norm is not None:
+            raise ValueError("max_grad_norm is for overlap=True; without overlap call clip_grad_norm_ before step().")
+        return OptimizerGuard(self._reducer, optimizer, strict=strict, allow_unsynced=allow_unsynced, scaler=scaler)
 
     def record_fences(self) -> FenceLog:
         """Start recording every fence edge (a debug option); ``log.violations()`` checks their order."""

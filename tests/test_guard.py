@@ -30,6 +30,25 @@ def _train_step(wrapper, opt, scaler, rank: int, step: int) -> None:
     opt.zero_grad()
 
 
+def _write_inside_backward(model, action, rank: int) -> str:
+    """Run ``action`` from a hook on the last gradient to become ready, when every bucket is in flight."""
+    first = next(model.module.parameters())
+    handle = first.register_post_accumulate_grad_hook(lambda _: action())
+    inputs, target = models.batch("mlp", rank, 0)
+    try:
+        return _error_of(lambda: models.loss_of(model(inputs), target).backward())
+    finally:
+        handle.remove()
+
+
+def _clip(model) -> None:
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3)
+
+
+def _total_norm(model) -> float:
+    return float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+
+
 def _guard_checks(rank: int, world_size: int) -> dict[str, object]:
     facts: dict[str, object] = {}
 
@@ -75,6 +94,22 @@ def _guard_checks(rank: int, world_size: int) -> dict[str, object]:
     handle.remove()
     facts.update({f"{k}_during_backward": v for k, v in inside.items()})
 
+    # Writing gradients from inside backward, while buckets are being reduced: the guard stops
+    # scaler.unscale_ before it runs and reports a clip when backward ends; unguarded, the clip is
+    # silently replaced by the reduced values (what the guard exists to prevent).
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    guarded = OverlapDDP(models.build("mlp"), bucket_cap_mb=0.001)
+    guarded_opt = torch.optim.SGD(guarded.parameters(), lr=0.1)
+    guarded.attach_optimizer(guarded_opt, scaler=scaler)
+    scaler.scale(torch.ones(()))  # the scaler needs a scale before it can unscale
+    facts["unscale_during_backward"] = _write_inside_backward(guarded, lambda: scaler.unscale_(guarded_opt), rank)
+    clipped = OverlapDDP(models.build("mlp"), bucket_cap_mb=0.001)
+    clipped.attach_optimizer(torch.optim.SGD(clipped.parameters(), lr=0.1))
+    facts["clip_during_backward"] = _write_inside_backward(clipped, lambda: _clip(clipped), rank)
+    unguarded = OverlapDDP(models.build("mlp"), bucket_cap_mb=0.001)
+    facts["unguarded_clip_during_backward"] = _write_inside_backward(unguarded, lambda: _clip(unguarded), rank)
+    facts["unguarded_norm_after_clip"] = _total_norm(unguarded)
+
     local = OverlapDDP(models.build("mlp"))
     local_opt = torch.optim.SGD(local.parameters(), lr=0.1)
     local.attach_optimizer(local_opt, allow_unsynced=True)
@@ -104,6 +139,8 @@ def test_guarded_loop_with_grad_scaler_and_clipping_is_bit_equal_to_ddp():
         ("step_after_no_sync_only", "accumulated under no_sync()"),
         ("step_during_backward", "are still being reduced"),
         ("zero_grad_during_backward", "optimizer.zero_grad() was called while buckets [0]"),
+        ("unscale_during_backward", "GradScaler.unscale_() was called while buckets"),
+        ("clip_during_backward", "were changed on rank"),
     ],
 )
 def test_guard_raises_a_clear_error_naming_the_problem_and_rank(fact, expected):
@@ -115,3 +152,10 @@ def test_guard_raises_a_clear_error_naming_the_problem_and_rank(fact, expected):
 @pytest.mark.parametrize("fact", ["step_after_synchronized_backward", "allow_unsynced_step"])
 def test_guard_lets_correct_steps_through(fact):
     assert all(f[fact] == "no error" for f in facts())
+
+
+def test_a_clip_inside_backward_is_named_by_the_guard_and_silently_lost_without_it():
+    for f in facts():
+        assert "(bucket " in f["clip_during_backward"] and ".weight" in f["clip_during_backward"]
+        assert f["unguarded_clip_during_backward"] == "no error"
+        assert f["unguarded_norm_after_clip"] > 1e-3 * 1.01  # the clip did not survive the reduction
