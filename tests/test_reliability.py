@@ -127,7 +127,7 @@ def test_bucket_state_round_trips_when_no_rebuild_ever_happens(one_rank):
     inputs, target = models.batch("branchy", 0, 0)
     models.loss_of(model(inputs), target).backward()
     state = model.bucket_state()
-    assert state == {"ready_order": None}
+    assert state == {"ready_order": None, "tuned_buckets": None}
     resumed = OverlapDDP(models.build("branchy"), find_unused_parameters=True)
     resumed.load_bucket_state(state)
     assert resumed.bucket_indices() == model.bucket_indices()
