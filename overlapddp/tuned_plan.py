@@ -6,7 +6,7 @@ the last reduction finish as early as possible, given
 
 - when each gradient became ready (median over calibration iterations, relative to the first), and
 - the link: a bucket of ``n`` bytes occupies it ``alpha + n / bytes_per_s`` seconds, one bucket at
-  a time (fitted from the calibration iterations' launch and completion times).
+  a time (from the calibration iterations' launch and completion times, see :func:`fit_link`).
 
 Buckets are consecutive runs of the gradients in ready order; bucket ``k`` launches when its last
 gradient is ready and starts on the link once bucket ``k-1`` has left it. Dynamic programming over
@@ -16,7 +16,6 @@ no collectives, no autograd, so every rule is unit-tested alone.
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -48,12 +47,15 @@ class BucketTiming:
 
 
 def fit_link(iterations: Sequence[Sequence[BucketTiming]]) -> LinkFit:
-    """Least-squares fit of the per-bucket link time over all calibration iterations.
+    """The link as the calibration iterations saw it.
 
     A bucket's service time is its completion minus when it could start: its launch, or the previous
-    bucket's completion if the link was still busy. With fewer than two distinct sizes only a
-    throughput is fitted. ``alpha_s`` is at least the shortest time a launch kept backward's thread
-    busy: a bucket costs that much even on an idle link, which keeps the plan from tiny buckets.
+    bucket's completion if the link was still busy. ``alpha_s`` is the shortest time a launch kept
+    backward's thread busy (a bucket costs that much even on an idle link, which keeps the plan from
+    tiny buckets); the throughput is what remains of the service times over the bytes carried. A
+    regression of time on size would also estimate a latency, but with the few, noisy samples of two
+    iterations it proved unstable (an overhead of several milliseconds fitted on a link that has
+    almost none), so the latency beyond the launch is left to the throughput.
     """
     samples: list[tuple[int, float]] = []
     for buckets in iterations:
@@ -64,21 +66,10 @@ def fit_link(iterations: Sequence[Sequence[BucketTiming]]) -> LinkFit:
             link_free = max(link_free, b.finished)
     if not samples:
         raise ValueError("fit_link needs at least one reduced bucket.")
-    host_floor = min(b.host_s for buckets in iterations for b in buckets)
-    sizes = [float(n) for n, _ in samples]
-    times = [t for _, t in samples]
-    total_bytes, total_time = sum(sizes), sum(times)
-    if len(set(sizes)) >= 2:
-        mean_n, mean_t = statistics.fmean(sizes), statistics.fmean(times)
-        covariance = sum((n - mean_n) * (t - mean_t) for n, t in samples)
-        variance = sum((n - mean_n) ** 2 for n in sizes)
-        slope = covariance / variance
-        if slope > 0:
-            alpha = mean_t - slope * mean_n
-            if alpha >= 0:
-                return LinkFit(max(alpha, host_floor), 1.0 / slope)
-            # A negative intercept means noise; keep the line through the origin instead.
-    return LinkFit(host_floor, max(total_bytes, 1.0) / max(total_time, 1e-9))
+    alpha = min(b.host_s for buckets in iterations for b in buckets)
+    total_bytes = sum(n for n, _ in samples)
+    transfer_s = sum(max(t - alpha, 0.0) for _, t in samples)
+    return LinkFit(alpha, max(total_bytes, 1) / max(transfer_s, 1e-9))
 
 
 def tuned_plan(params: Sequence[torch.Tensor], ready_s: Sequence[float], link: LinkFit) -> BucketPlan:
