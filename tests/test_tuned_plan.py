@@ -25,7 +25,14 @@ from tests.multiprocess import run_ranks
 
 STEPS = 6  # iteration 1: one bucket; 2-3: DDP's rebuilt layout, measured; 4-6: the tuned layout
 TUNED_FROM = 1 + plan_tuner.CALIBRATION_ITERATIONS  # index of the first step with the tuned layout
-CASES = (("transformer", "adam"), ("cnn_bn", "sgd"))
+# (name, model, optimizer, DDP options): the tuned plan also moves gradient_as_bucket_view's views
+# and follows static_graph's delayed first iteration (reentrant checkpointing).
+CASES = (
+    ("transformer", "transformer", "adam", {}),
+    ("cnn_bn", "cnn_bn", "sgd", {}),
+    ("cnn_bn-bucket_view", "cnn_bn", "sgd", {"gradient_as_bucket_view": True}),
+    ("checkpointed-static", "checkpointed", "sgd", {"static_graph": True}),
+)
 
 
 # -- the planner alone -------------------------------------------------------------------------
@@ -129,9 +136,9 @@ def _train(rank: int, world_size: int, own_plans: bool = False) -> dict[str, obj
     if own_plans:
         _own_plan_fault(rank)
     results: dict[str, object] = {}
-    for model_name, opt_name in CASES:
-        ddp = DistributedDataParallel(models.build(model_name), bucket_cap_mb=0.01)
-        ours = OverlapDDP(models.build(model_name), bucket_cap_mb=0.01, bucket_plan="tuned")
+    for case, model_name, opt_name, options in CASES:
+        ddp = DistributedDataParallel(models.build(model_name), bucket_cap_mb=0.01, **options)
+        ours = OverlapDDP(models.build(model_name), bucket_cap_mb=0.01, bucket_plan="tuned", **options)
         ddp_opt, our_opt = models.optimizer(opt_name, ddp.parameters()), models.optimizer(opt_name, ours.parameters())
         equal, layouts = [], []
         for step in range(STEPS):
@@ -139,10 +146,11 @@ def _train(rank: int, world_size: int, own_plans: bool = False) -> dict[str, obj
             for wrapper, opt in ((ddp, ddp_opt), (ours, our_opt)):
                 models.loss_of(wrapper(inputs), target).backward()
                 opt.step()
-                opt.zero_grad()
+                # Keeping the gradients keeps gradient_as_bucket_view's views alive across the re-plan.
+                opt.zero_grad(set_to_none=not options.get("gradient_as_bucket_view", False))
             equal.append(all(torch.equal(a, b) for a, b in zip(ddp.state_dict().values(), ours.state_dict().values())))
             layouts.append(ours.bucket_indices())
-        results[model_name] = {
+        results[case] = {
             "equal": equal,
             "layouts": layouts,
             "state": ours.bucket_state(),
