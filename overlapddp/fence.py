@@ -6,7 +6,8 @@ Edges, per bucket and iteration, in the order they must happen:
 2. *launched*: the collective started, ordered after 1 (on CUDA the communication stream waits on
    an event the producer recorded).
 3. *completed*: the collective's result is final and visible to the consumer (CPU: its future was
-   waited; CUDA: the consumer stream waits on an event recorded after the collective).
+   waited; CUDA: the consumer stream waits on an event recorded after the collective). The log
+   records this edge when the consumer waited, with the time the collective actually finished.
 4. *consumed*: a reader used the result (the copy into ``param.grad``, then the optimizer).
 
 :meth:`Fence.complete` is the only way to obtain a bucket's reduced tensor, so "no read before
@@ -90,14 +91,18 @@ class Fence:
         self._buffers: dict[int, torch.Tensor] = {}
         self.log: FenceLog | None = None
         self.iteration = 0
+        # While logging: when each launched bucket's collective finished, written by its future's
+        # callback (any thread), so a timeline shows completions during backward where they happened.
+        self._finished_at: dict[int, float] = {}
+        self._launched_at: dict[int, float] = {}
 
-    def _record(self, bucket: int, edge: str, actor: str, event: str | None = None) -> None:
+    def _record(self, bucket: int, edge: str, actor: str, event: str | None = None, at: float | None = None) -> None:
         if self.log is not None:
             buffer = self._buffers.get(bucket)
             self.log.edges.append(
                 FenceEdge(
                     self.iteration, bucket, edge, actor, self._stream_name(), event,
-                    0 if buffer is None else buffer.data_ptr(), time.perf_counter(),
+                    0 if buffer is None else buffer.data_ptr(), time.perf_counter() if at is None else at,
                 )
             )
 
@@ -113,8 +118,12 @@ class Fence:
         """Edge 2: start the collective after everything the producer did."""
         if bucket in self._in_flight:
             raise RuntimeError(f"Bucket {bucket} was launched twice without being completed in between.")
-        self._in_flight[bucket] = start()
-        self._record(bucket, "launched", "collective")
+        future = self._in_flight[bucket] = start()
+        if self.log is not None:
+            self._launched_at[bucket] = time.perf_counter()
+            self._finished_at.pop(bucket, None)
+            future.add_done_callback(lambda _: self._finished_at.setdefault(bucket, time.perf_counter()))
+        self._record(bucket, "launched", "collective", at=self._launched_at.get(bucket))
 
     def complete(self, bucket: int) -> object:
         """Edge 3: block until the collective is final, then hand over its value."""
@@ -122,7 +131,10 @@ class Fence:
         if future is None:
             raise RuntimeError(f"Bucket {bucket} was asked for its result but was never launched.")
         value = future.wait()
-        self._record(bucket, "completed", "finalize")
+        now = time.perf_counter()
+        # The callback may run just after the waiter woke; never before the launch was recorded.
+        finished = max(min(self._finished_at.pop(bucket, now), now), self._launched_at.pop(bucket, now))
+        self._record(bucket, "completed", "finalize", at=finished if self.log is not None else None)
         return value
 
     def consumed(self, bucket: int, consumer: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import torch
 
@@ -43,6 +44,25 @@ def test_timeline_orders_edges_and_shows_exposed_communication_of_a_lagging_rank
     assert all(exposed >= DELAY_S * 0.9 for exposed in ranks[1]["exposed"])
     # The last bucket to become ready is the last one in the (rebuilt) launch order.
     assert ranks[0]["last_ready"][1:] == [ranks[0]["buckets_per_iteration"][1] - 1] * 2
+
+
+def _completions_during_backward(rank: int, world_size: int) -> list[float]:
+    """Per iteration after the rebuild: backward end minus bucket 0's completion, with a slow first layer."""
+    model = OverlapDDP(models.build("mlp"), bucket_cap_mb=0.001)
+    model.module[0].register_full_backward_pre_hook(lambda *_: time.sleep(DELAY_S))  # backward's last part
+    log = model.record_fences()
+    for step in range(3):
+        inputs, target = models.batch("mlp", rank, step)
+        models.loss_of(model(inputs), target).backward()
+    ends = {s.iteration: s.backward_end for s in summarize(log)}
+    return [ends[s.iteration] - s.completed for s in bucket_spans(log) if s.iteration > 0 and s.bucket == 0]
+
+
+def test_timeline_shows_a_bucket_completing_during_backward_when_it_did():
+    # Bucket 0 (the last layers) is reduced while the first layer's backward sleeps DELAY_S; its
+    # completion must show then, not when the end-of-backward callback got round to waiting for it.
+    for lead in run_ranks(2, _completions_during_backward):
+        assert lead and all(seconds >= DELAY_S * 0.5 for seconds in lead), lead
 
 
 def test_profiler_shows_bucket_ranges(one_rank):
