@@ -11,6 +11,7 @@ driven by hand in tests. The wrapper calls, per iteration:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass
@@ -68,7 +69,6 @@ class Reducer:
         self._fence = fence
         self._caps = caps
         self._sparse_gradient = list(sparse_gradient)
-        self.options = options
         self._comm_hook: tuple[Any, CommHook] | None = None
         self.state = ReducerState.IDLE
         self._scale: float | None = None  # set per backward by prepare_for_backward
@@ -91,13 +91,19 @@ class Reducer:
         # later buckets may still be reducing: the overlapped optimizer's per-bucket update.
         self.after_bucket_reduced: Callable[[list[torch.Tensor]], None] | None = None
         self.after_all_reduced: Callable[[], None] | None = None  # once, when every bucket is written
-        # DDP rebuilds once, from rank 0's gradient-ready order, unless it searches unused
-        # parameters on a dynamic graph.
-        self._rebuild_pending = options.static_graph or not options.find_unused_parameters
         self._ready_order: list[int] = []
         self._rebuilt_from: list[int] = []  # rank 0's ready order the current plan was built from
         # True from the first mark_ready of a backward until finalize: an unfinished reduction.
         self._require_finalize = False
+        self._tuner = PlanTuner(self.params) if options.tuned_plan else None
+        self._configure(options)
+
+    def _configure(self, options: ReducerOptions) -> None:
+        """Everything that depends on the graph options, as it is before the first iteration."""
+        self.options = options
+        # DDP rebuilds once, from rank 0's gradient-ready order, unless it searches unused
+        # parameters on a dynamic graph.
+        self._rebuild_pending = options.static_graph or not options.find_unused_parameters
         tracks_usage = options.find_unused_parameters or options.static_graph
         self._usage = UsageMap(len(self.params), self.params[0].device) if tracks_usage else None
         self._accumulators = grad_accumulators(self.params) if self._dynamic_unused else []
@@ -107,10 +113,20 @@ class Reducer:
         # until the first synchronized backward ended).
         self._fires = [0] * len(self.params)
         self._expected_fires: list[int] | None = None
-        self._tuner = PlanTuner(self.params) if options.tuned_plan else None
         self._install_plan(
-            initial_plan(self.params, self._sparse_gradient, caps, options.find_unused_parameters, options.static_graph)
+            initial_plan(
+                self.params, self._sparse_gradient, self._caps, options.find_unused_parameters, options.static_graph
+            )
         )
+
+    def enable_static_graph(self) -> None:
+        """Switch to ``static_graph=True`` (DDP's ``_set_static_graph``); only before the first backward."""
+        if self.reductions or self._require_finalize or self.state is not ReducerState.IDLE:
+            raise RuntimeError(
+                f"static_graph can only be turned on before the first backward (rank {self.rank}); pass "
+                "static_graph=True to the constructor instead."
+            )
+        self._configure(dataclasses.replace(self.options, static_graph=True))
 
     # -- plan ---------------------------------------------------------------------------------
 

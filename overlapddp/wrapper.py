@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
+from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
 from overlapddp.bucket_plan import BucketCaps
 from overlapddp.comm_hook import CommHook
@@ -227,6 +228,49 @@ class OverlapDDP(nn.Module, Joinable):
             yield
         finally:
             self.require_backward_grad_sync = previous
+
+    def _set_static_graph(self) -> None:
+        """DDP's older way to ask for ``static_graph=True``; call it before the first backward."""
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
+            return
+        self._reducer.enable_static_graph()
+        self.static_graph = True
+        if self.find_unused_parameters:
+            warnings.warn(
+                "You passed find_unused_parameters=true to OverlapDDP, `_set_static_graph` will detect unused "
+                "parameters automatically, so you do not need to set find_unused_parameters=true.",
+                stacklevel=2,
+            )
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Any) -> None:
+        """Name parameters and buffers (fully qualified) that OverlapDDP, like DDP, leaves alone:
+        not broadcast, not reduced. Call on the bare module before wrapping it."""
+        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if name in params_and_buffers_to_ignore:
+                tensor._ddp_ignored = True
+
+    # -- DDP's device-placement helpers, kept for scripts that call them --------------------------
+
+    def to_kwargs(self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device_id: int) -> tuple[tuple, tuple]:
+        """``inputs`` and ``kwargs`` moved to device ``device_id`` of this model's type, as DDP returns them:
+        a tuple of input tuples and a tuple of kwargs dicts, padded to the same length."""
+        target = torch.device(self.device_type, device_id)
+        moved_inputs = [tuple(_map_tensors(list(inputs), lambda t: t.to(target, non_blocking=True)))] if inputs else []
+        moved_kwargs = [_map_tensors(kwargs, lambda t: t.to(target, non_blocking=True))] if kwargs else []
+        moved_inputs += [() for _ in range(len(moved_kwargs) - len(moved_inputs))]
+        moved_kwargs += [{} for _ in range(len(moved_inputs) - len(moved_kwargs))]
+        return tuple(moved_inputs), tuple(moved_kwargs)
+
+    def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device_ids: list[int]) -> tuple[tuple, tuple]:
+        """Split the inputs along ``dim`` over ``device_ids`` (``torch.nn.parallel.scatter_kwargs``)."""
+        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+
+    def gather(self, outputs: Any, output_device: int | torch.device) -> Any:
+        """Concatenate per-device outputs along ``dim`` on ``output_device`` (``torch.nn.parallel.gather``)."""
+        return gather(outputs, output_device, dim=self.dim)
 
     # -- communication hooks ------------------------------------------------------------------
 

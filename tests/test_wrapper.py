@@ -198,3 +198,62 @@ def test_gradient_as_bucket_view_makes_gradients_views_of_the_buckets(one_rank):
     models.loss_of(model(inputs), target).backward()
     buckets = {s.buffer.untyped_storage().data_ptr() for s in model._reducer._storages}
     assert all(p.grad.untyped_storage().data_ptr() in buckets for p in model.parameters())
+
+
+# -- DDP's remaining public and widely used private entry points -------------------------------
+
+
+def test_to_kwargs_returns_what_ddp_returns(one_rank):
+    ddp, ours = DistributedDataParallel(nn.Linear(3, 3)), OverlapDDP(nn.Linear(3, 3))
+    x = torch.arange(6.0).reshape(2, 3)
+    for inputs, kwargs in [((x, [x, {"a": x}]), {"k": x}), ((), {"k": x}), ((x,), None), ((x, x), {})]:
+        theirs, mine = ddp.to_kwargs(inputs, kwargs, 0), ours.to_kwargs(inputs, kwargs, 0)
+        assert repr(mine) == repr(theirs)  # same nesting, same values
+
+
+def test_set_params_and_buffers_to_ignore_marks_the_module_as_ddp_does(one_rank):
+    marked = []
+    for wrapper in (DistributedDataParallel, OverlapDDP):
+        net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+        wrapper._set_params_and_buffers_to_ignore_for_model(net, ["0.bias", "1.running_mean"])
+        tensors = [*net.named_parameters(), *net.named_buffers()]
+        marked.append((net._ddp_params_and_buffers_to_ignore, [n for n, t in tensors if getattr(t, "_ddp_ignored", False)]))
+    assert marked[0] == marked[1] == (["0.bias", "1.running_mean"], ["0.bias", "1.running_mean"])
+
+
+def _late_static_graph(rank: int, world_size: int, switch_ours: bool) -> list[bool] | str:
+    """DDP and OverlapDDP each switched to a static graph after construction, as older scripts do."""
+    ddp = DistributedDataParallel(models.build("checkpointed"), bucket_cap_mb=0.001)
+    ours = OverlapDDP(models.build("checkpointed"), bucket_cap_mb=0.001)
+    ddp._set_static_graph()
+    if switch_ours:
+        ours._set_static_graph()
+    optimizers = [models.optimizer("sgd", m.parameters()) for m in (ddp, ours)]
+    equal = []
+    try:
+        for step in range(4):
+            inputs, target = models.batch("checkpointed", rank, step)
+            for wrapper, opt in zip((ddp, ours), optimizers):
+                models.loss_of(wrapper(inputs), target).backward()
+                opt.step()
+                opt.zero_grad()
+            equal.append(all(torch.equal(a, b) for a, b in zip(ddp.state_dict().values(), ours.state_dict().values())))
+        with pytest.warns(UserWarning, match="no need to set it again"):
+            ours._set_static_graph()  # a second call only warns, as in DDP
+    except RuntimeError as error:
+        return str(error)
+    return equal
+
+
+def test_set_static_graph_after_construction_is_bit_equal_to_ddp():
+    assert run_ranks(3, _late_static_graph, True) == [[True] * 4] * 3
+    # Without the switch the never-used layer stops training: the switch is what makes it work.
+    assert all("Parameters which did not receive grad" in r for r in run_ranks(3, _late_static_graph, False))
+
+
+def test_set_static_graph_after_a_backward_is_refused(one_rank):
+    model = OverlapDDP(models.build("mlp"))
+    inputs, target = models.batch("mlp", 0, 0)
+    models.loss_of(model(inputs), target).backward()
+    with pytest.raises(RuntimeError, match="only be turned on before the first backward"):
+        model._set_static_graph()
