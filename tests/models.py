@@ -123,3 +123,18 @@ def optimizer(name: str, params) -> torch.optim.Optimizer:
     if name == "adam":
         return torch.optim.Adam(params, lr=1e-3)
     raise ValueError(f"unknown optimizer {name!r}")
+
+
+def train_side_by_side(name: str, rank: int, steps: int, reference: nn.Module, candidate: nn.Module) -> list[bool]:
+    """Train both wrappers on the same batches with SGD-momentum; per step, whether every parameter
+    and buffer is bit-equal (``torch.equal``)."""
+    pairs = [(m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)) for m in (reference, candidate)]
+    equal = []
+    for step in range(steps):
+        inputs, target = batch(name, rank, step)
+        for wrapper, opt in pairs:
+            loss_of(wrapper(inputs), target).backward()
+            opt.step()
+            opt.zero_grad()
+        equal.append(all(torch.equal(a, b) for a, b in zip(reference.state_dict().values(), candidate.state_dict().values())))
+    return equal

@@ -26,16 +26,7 @@ def _compiled_parity(rank: int, world_size: int, outer: bool) -> list[bool]:
     else:
         ddp = DistributedDataParallel(torch.compile(models.build("cnn_bn"), backend="aot_eager"))
         ours = OverlapDDP(torch.compile(models.build("cnn_bn"), backend="aot_eager"))
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, ours)]
-    equal = []
-    for step in range(4):
-        inputs, target = models.batch("cnn_bn", rank, step)
-        for wrapper, opt in zip((ddp, ours), optimizers):
-            models.loss_of(wrapper(inputs), target).backward()
-            opt.step()
-            opt.zero_grad()
-        equal.append(all(torch.equal(a, b) for a, b in zip(ddp.state_dict().values(), ours.state_dict().values())))
-    return equal
+    return models.train_side_by_side("cnn_bn", rank, 4, ddp, ours)
 
 
 @pytest.mark.parametrize("outer", [False, True], ids=["OverlapDDP(compile(model))", "compile(OverlapDDP(model))"])

@@ -228,16 +228,8 @@ def _late_static_graph(rank: int, world_size: int, switch_ours: bool) -> list[bo
     ddp._set_static_graph()
     if switch_ours:
         ours._set_static_graph()
-    optimizers = [models.optimizer("sgd", m.parameters()) for m in (ddp, ours)]
-    equal = []
     try:
-        for step in range(4):
-            inputs, target = models.batch("checkpointed", rank, step)
-            for wrapper, opt in zip((ddp, ours), optimizers):
-                models.loss_of(wrapper(inputs), target).backward()
-                opt.step()
-                opt.zero_grad()
-            equal.append(all(torch.equal(a, b) for a, b in zip(ddp.state_dict().values(), ours.state_dict().values())))
+        equal = models.train_side_by_side("checkpointed", rank, 4, ddp, ours)
         with pytest.warns(UserWarning, match="no need to set it again"):
             ours._set_static_graph()  # a second call only warns, as in DDP
     except RuntimeError as error:
