@@ -83,6 +83,10 @@ class FenceLog:
 class Fence:
     """CPU fence: a bucket is complete when its collective's future has been waited on."""
 
+    # Whether a collective's future completes when its result is final (CPU backends); NCCL's
+    # completes at enqueue, so on CUDA the log keeps the time the consumer waited instead.
+    futures_complete_when_done = True
+
     def __init__(self) -> None:
         # Future of each launched bucket's collective. Produced by ``launch`` (the autograd hook
         # thread), waited on by ``complete`` (the end-of-backward callback); cleared when consumed.
@@ -119,7 +123,7 @@ class Fence:
         if bucket in self._in_flight:
             raise RuntimeError(f"Bucket {bucket} was launched twice without being completed in between.")
         future = self._in_flight[bucket] = start()
-        if self.log is not None:
+        if self.log is not None and self.futures_complete_when_done:
             self._launched_at[bucket] = time.perf_counter()
             self._finished_at.pop(bucket, None)
             future.add_done_callback(lambda _: self._finished_at.setdefault(bucket, time.perf_counter()))
@@ -170,6 +174,8 @@ class CudaFence(Fence):
     ``work.wait()`` on the host is not enough on CUDA: the stream that reads the gradient must wait
     on an event recorded after the collective, which is what ``complete`` does.
     """
+
+    futures_complete_when_done = False
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()

@@ -9,7 +9,7 @@ another stream than backward still reads final values.
 The same checks guard ``zero_grad()`` and, when a scaler is given, ``scaler.unscale_(optimizer)``
 (also called by ``scaler.step``), before they touch a gradient. Other in-place writes from inside
 backward (``clip_grad_norm_`` in a hook) cannot be intercepted beforehand; the reducer then reports
-them at the end of backward, before any step (see ``Reducer.watch_gradient_writes``).
+them at the end of backward, before any step (see ``Reducer.gradient_write_watchers``).
 """
 
 from __future__ import annotations
@@ -51,16 +51,16 @@ class OptimizerGuard:
         if scaler is not None:
             self._unguarded_unscale = scaler.unscale_
             scaler.unscale_ = self._unscale  # type: ignore[method-assign]
-        reducer.watch_gradient_writes = True
+        reducer.gradient_write_watchers += 1
 
     def detach(self) -> None:
         """Remove the guard from the optimizer."""
         for handle in self._handles:
             handle.remove()
         self.optimizer.zero_grad = self._unguarded_zero_grad  # type: ignore[method-assign]
-        if self._scaler is not None:
+        if self._scaler is not None and self._scaler.unscale_ == self._unscale:
             self._scaler.unscale_ = self._unguarded_unscale  # type: ignore[method-assign]
-        self._reducer.watch_gradient_writes = False
+        self._reducer.gradient_write_watchers -= 1
 
     def check(self, action: str) -> None:
         """Raise unless ``action`` may read the gradients now."""
@@ -105,4 +105,5 @@ class OptimizerGuard:
     def _unscale(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer is self.optimizer:
             self.check("GradScaler.unscale_()")
+            self._reducer.fence.make_visible(strict=self.strict)
         self._unguarded_unscale(optimizer)

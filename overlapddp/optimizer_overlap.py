@@ -55,7 +55,9 @@ class OverlappedOptimizer:
         # outcome as if scaler.unscale_(optimizer) had run (None: no scaler, or a disabled one).
         self._unscaler: BucketUnscaler | None = None
         if scaler is not None and scaler.is_enabled():
-            self._unscaler = BucketUnscaler(scaler, optimizer, reducer.rank)
+            self._unscaler = BucketUnscaler(
+                scaler, optimizer, reducer.params, lambda: reducer.backwards_armed, reducer.rank
+            )
         self._stepped_at = 0  # reducer.reductions the user's step() has acknowledged
         # Per-parameter gradient norms of the buckets reduced so far in this backward (clipping only).
         self._norms: dict[int, torch.Tensor] = {}
@@ -88,6 +90,9 @@ class OverlappedOptimizer:
         if not self._updates_wait_for_all:
             self._update_bucket(params)
 
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
     def _update_bucket(self, params: list[torch.Tensor]) -> None:
         """Step the optimizer with every gradient but this bucket's hidden (it skips params without grad)."""
         members = {id(p) for p in params}
@@ -105,8 +110,10 @@ class OverlappedOptimizer:
 
     def _measure_bucket(self, params: list[torch.Tensor]) -> None:
         """Clipping needs the total norm first: compute this bucket's share while others reduce."""
+        grads = [p for p in params if p.grad is not None]
+        if not grads:
+            return
         with torch.no_grad():
-            grads = [p for p in params if p.grad is not None]
             for p, norm in zip(grads, torch._foreach_norm([p.grad for p in grads], self.norm_type)):
                 self._norms[id(p)] = norm
 
@@ -119,14 +126,22 @@ class OverlappedOptimizer:
             self._clip()
         if self._updates_wait_for_all and not found_inf:
             self._update()
+        elif not self._updates_wait_for_all:
+            # The optimizer's parameters that no bucket carries (ignored by the wrapper) update last.
+            reduced = {id(p) for p in self._reducer.params}
+            outside = [p for p in self._params() if id(p) not in reduced and p.grad is not None]
+            if outside:
+                self._update_bucket(outside)
         self._versions = [(p.grad, p.grad._version) for p in self._reducer.params if p.grad is not None]
 
     def _clip(self) -> None:
+        """``clip_grad_norm_`` over the optimizer's parameters, with the bucket norms measured so far."""
         with torch.no_grad():
             groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-            for p in self._reducer.params:
+            for p in self._params():
                 if p.grad is not None:
                     groups.setdefault((p.grad.device, p.grad.dtype), []).append(p)
+            self._measure_bucket([p for members in groups.values() for p in members if id(p) not in self._norms])
             norms = [self._norms[id(p)] for members in groups.values() for p in members]
             self._norms = {}
             if norms:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from overlapddp.bucket_plan import BucketPlan
-from overlapddp.tuned_plan import BucketTiming, LinkFit, fit_link, tuned_plan
+from overlapddp.tuned_plan import BucketTiming, fit_link, tuned_plan
 
 CALIBRATION_ITERATIONS = 2  # measured synchronized iterations after DDP's rebuild
 
@@ -30,7 +30,6 @@ class PlanTuner:
         self._params = list(params)
         self._iterations = iterations
         self.done = False  # the tuned plan is installed (or was restored from a checkpoint)
-        self.link: LinkFit | None = None  # rank 0's fit, for reports (None on other ranks)
         self._seen = 0  # synchronized iterations after the rebuild, shadowed ones included
         self._ready: list[list[float]] = []  # per measured iteration: each gradient's time from the first
         self._buckets: list[list[BucketTiming]] = []
@@ -116,8 +115,7 @@ class PlanTuner:
         # A gradient never marked in a measured iteration (unused there) counts as ready first,
         # as DDP's layout treats unused parameters.
         ready = [statistics.median(0.0 if math.isnan(t) else t for t in times) for times in zip(*self._ready)]
-        self.link = fit_link(self._buckets)
-        return tuned_plan(self._params, ready, self.link)
+        return tuned_plan(self._params, ready, fit_link(self._buckets))
 
     def _nbytes(self, members: Sequence[int]) -> int:
         return sum(self._params[i].numel() * self._params[i].element_size() for i in members)

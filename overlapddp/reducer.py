@@ -25,7 +25,7 @@ from overlapddp.bucket_storage import BucketStorage
 from overlapddp.comm_hook import Bucket, CommHook, allreduce_sum, hook_result, is_unchained, run_hook
 from overlapddp.fence import Fence
 from overlapddp.param_usage import UsageMap, grad_accumulators, unreachable
-from overlapddp.plan_tuner import PlanTuner
+from overlapddp.plan_tuner import CALIBRATION_ITERATIONS, PlanTuner
 from overlapddp.token_weighting import TokenCount
 
 
@@ -80,11 +80,12 @@ class Reducer:
         # Read by the optimizer guard: completed reductions so far, and whether a backward outside
         # synchronization (no_sync) has accumulated local gradients since the last one.
         self.reductions = 0
+        self.backwards_armed = 0  # synchronized forwards so far: names the current iteration
         self.local_gradients_since_reduction = False
         self.check_finite = False  # see _check_finite
-        # Set by the optimizer guard: report gradients written while their bucket was reduced,
-        # see _check_untouched. Per bucket: each gradient and its version when it was taken.
-        self.watch_gradient_writes = False
+        # Optimizer guards attached: while any is, report gradients written while their bucket was
+        # reduced (see _check_untouched). Per bucket: each gradient and its version when taken.
+        self.gradient_write_watchers = 0
         self._taken: dict[int, list[tuple[int, torch.Tensor, int]]] = {}
         self.tokens: TokenCount | None = None  # token-weighted reduction, see enable_token_weighting
         # Called in finalize with each bucket's parameters once its gradients are written, while
@@ -97,9 +98,14 @@ class Reducer:
         self._require_finalize = False
         self._tuner = PlanTuner(self.params) if options.tuned_plan else None
         self._configure(options)
+        self._install_plan(
+            initial_plan(
+                self.params, self._sparse_gradient, self._caps, options.find_unused_parameters, options.static_graph
+            )
+        )
 
     def _configure(self, options: ReducerOptions) -> None:
-        """Everything that depends on the graph options, as it is before the first iteration."""
+        """Everything but the plan that depends on the graph options, as before the first iteration."""
         self.options = options
         # DDP rebuilds once, from rank 0's gradient-ready order, unless it searches unused
         # parameters on a dynamic graph.
@@ -113,18 +119,15 @@ class Reducer:
         # until the first synchronized backward ended).
         self._fires = [0] * len(self.params)
         self._expected_fires: list[int] | None = None
-        self._install_plan(
-            initial_plan(
-                self.params, self._sparse_gradient, self._caps, options.find_unused_parameters, options.static_graph
-            )
-        )
 
     def enable_static_graph(self) -> None:
-        """Switch to ``static_graph=True`` (DDP's ``_set_static_graph``); only before the first backward."""
-        if self.reductions or self._require_finalize or self.state is not ReducerState.IDLE:
+        """Switch to ``static_graph=True`` (DDP's ``_set_static_graph``); only before the first backward
+        and before a checkpointed layout was loaded. The buckets stay as constructed, as in DDP."""
+        started = self.reductions or self._require_finalize or self.state is not ReducerState.IDLE
+        if started or self._rebuilt_from or (self._tuner is not None and self._tuner.done):
             raise RuntimeError(
-                f"static_graph can only be turned on before the first backward (rank {self.rank}); pass "
-                "static_graph=True to the constructor instead."
+                f"static_graph can only be turned on before the first backward and before load_bucket_state "
+                f"(rank {self.rank}); pass static_graph=True to the constructor instead."
             )
         self._configure(dataclasses.replace(self.options, static_graph=True))
 
@@ -155,6 +158,13 @@ class Reducer:
         """Static graph, first iteration: nothing is reduced during backward; the wrapper must
         call :meth:`reduce_learned_graph` when backward reaches the outputs' end."""
         return self.options.static_graph and self._expected_fires is None
+
+    @property
+    def final_layout_iteration(self) -> int:
+        """The first synchronized iteration (from 0) whose buckets stay: DDP's rebuild is in force
+        from iteration 1 (2 with a static graph); the tuned plan, measured after it, a few later."""
+        ddp = 2 if self.options.static_graph else 1
+        return ddp + (CALIBRATION_ITERATIONS if self._tuner is not None else 0)
 
     @property
     def has_rebuilt_buckets(self) -> bool:
@@ -270,6 +280,7 @@ class Reducer:
         """
         self._ensure_prior_reduction_finished()
         self._reset_iteration()
+        self.backwards_armed += 1
         # Scale while copying, as DDP's default path does; a hook or batched copy divides later.
         no_scaling = self._comm_hook is not None or self.options.batched_grad_copy
         self._divide_by = self._divisor()
@@ -373,7 +384,7 @@ class Reducer:
         )
         if self.options.gradient_as_bucket_view:
             storage.point_grads_at_views()
-        elif self.watch_gradient_writes:
+        elif self.gradient_write_watchers:
             self._taken[index] = [
                 (i, p.grad, p.grad._version) for i, p in zip(self.plan.buckets[index], storage.params)
                 if p.grad is not None

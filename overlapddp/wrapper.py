@@ -15,7 +15,9 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from torch.distributed.algorithms.join import Join, Joinable
+from torch.distributed.utils import _to_kwargs
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
 from overlapddp.bucket_plan import BucketCaps
@@ -142,6 +144,11 @@ class OverlapDDP(nn.Module, Joinable):
             )
         if bucket_plan not in BUCKET_PLANS:
             raise ValueError(f"bucket_plan must be one of {', '.join(map(repr, BUCKET_PLANS))}, got {bucket_plan!r}.")
+        if bucket_plan == "tuned" and self.device.type != "cpu":
+            raise NotImplementedError(
+                "bucket_plan='tuned' times each bucket's collective from the host, which CUDA collectives do "
+                "not report (NCCL's future completes at enqueue); use bucket_plan='ddp' on GPUs for now."
+            )
         if bucket_plan == "tuned" and find_unused_parameters and not static_graph:
             raise ValueError(
                 "bucket_plan='tuned' re-plans the buckets after DDP's ready-order rebuild, which "
@@ -257,12 +264,8 @@ class OverlapDDP(nn.Module, Joinable):
     def to_kwargs(self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device_id: int) -> tuple[tuple, tuple]:
         """``inputs`` and ``kwargs`` moved to device ``device_id`` of this model's type, as DDP returns them:
         a tuple of input tuples and a tuple of kwargs dicts, padded to the same length."""
-        target = torch.device(self.device_type, device_id)
-        moved_inputs = [tuple(_map_tensors(list(inputs), lambda t: t.to(target, non_blocking=True)))] if inputs else []
-        moved_kwargs = [_map_tensors(kwargs, lambda t: t.to(target, non_blocking=True))] if kwargs else []
-        moved_inputs += [() for _ in range(len(moved_kwargs) - len(moved_inputs))]
-        moved_kwargs += [{} for _ in range(len(moved_inputs) - len(moved_kwargs))]
-        return tuple(moved_inputs), tuple(moved_kwargs)
+        # torch's own helper (DDP's), so lists, named tuples and PackedSequence come back as DDP returns them.
+        return _to_kwargs(inputs, kwargs, torch.device(self.device_type, device_id), False)
 
     def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device_ids: list[int]) -> tuple[tuple, tuple]:
         """Split the inputs along ``dim`` over ``device_ids`` (``torch.nn.parallel.scatter_kwargs``)."""
@@ -277,6 +280,8 @@ class OverlapDDP(nn.Module, Joinable):
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Reduce each bucket with ``hook(state, bucket)``; the stock DDP hooks run unmodified."""
         check_comm_hook(hook, self.process_group)
+        if self._reducer.options.tuned_plan:
+            _check_per_bucket_state(state, self._reducer.final_layout_iteration)
         self._reducer.set_comm_hook(state, hook)
         self._comm_hooks.append((hook, state))
 
@@ -386,6 +391,18 @@ class OverlapDDP(nn.Module, Joinable):
     @property
     def join_process_group(self) -> dist.ProcessGroup:
         return self.process_group
+
+
+def _check_per_bucket_state(state: object, final_layout_iteration: int) -> None:
+    """PowerSGD keeps state per bucket index from ``start_powerSGD_iter`` on: the tuned layout must be
+    final by then (DDP's own rebuild comes early enough for PowerSGD's minimum of 2)."""
+    start = getattr(state, "start_powerSGD_iter", None)
+    if isinstance(state, PowerSGDState) and start < final_layout_iteration:
+        raise ValueError(
+            f"PowerSGD keeps per-bucket state from iteration start_powerSGD_iter={start} on, but the buckets "
+            f"change until iteration {final_layout_iteration} (bucket_plan='tuned'); set start_powerSGD_iter >= "
+            f"{final_layout_iteration} or use bucket_plan='ddp'."
+        )
 
 
 def _resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any | None) -> dist.ProcessGroup:

@@ -160,3 +160,74 @@ def test_backward_of_an_unscaled_loss_with_a_scaler_attached_is_refused(one_rank
     inputs, target = models.batch("mlp", 0, 0)
     with pytest.raises(RuntimeError, match="backpropagate scaler.scale"):
         models.loss_of(model(inputs), target).backward()
+
+
+def _split_optimizers_with_an_ignored_parameter(rank: int, world_size: int, clip: bool) -> list[bool]:
+    """One scaler, two optimizers (only the body one overlapped), one parameter the wrapper ignores:
+    each gradient is unscaled exactly once, by its own optimizer, as with DDP."""
+    wrappers = []
+    for wrapper_class in (DistributedDataParallel, OverlapDDP):
+        net = models.build("mlp")
+        wrapper_class._set_params_and_buffers_to_ignore_for_model(net, ["0.bias"])
+        wrapper = wrapper_class(net, bucket_cap_mb=0.001)
+        params = dict(net.named_parameters())
+        body = torch.optim.SGD([p for n, p in params.items() if n != "4.weight"], lr=0.05, momentum=0.9)
+        head = torch.optim.SGD([params["4.weight"]], lr=0.05)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+        if wrapper_class is OverlapDDP:
+            wrapper.attach_optimizer(body, overlap=True, scaler=scaler, max_grad_norm=0.05 if clip else None)
+        wrappers.append((wrapper, body, head, scaler))
+    equal = []
+    for step in range(4):
+        inputs, target = models.batch("mlp", rank, step)
+        for wrapper, body, head, scaler in wrappers:
+            scaler.scale(models.loss_of(wrapper(inputs), target)).backward()
+            if isinstance(wrapper, DistributedDataParallel):
+                scaler.unscale_(body)
+                if clip:
+                    torch.nn.utils.clip_grad_norm_([p for g in body.param_groups for p in g["params"]], 0.05)
+            scaler.step(head)
+            scaler.step(body)
+            scaler.update()
+            body.zero_grad()
+            head.zero_grad()
+        (ddp, *_), (ours, *_) = wrappers
+        equal.append(all(torch.equal(a, b) for a, b in zip(ddp.state_dict().values(), ours.state_dict().values())))
+    return equal
+
+
+@pytest.mark.parametrize("clip", (False, True))
+def test_loss_scaling_unscales_only_the_attached_optimizers_gradients_including_ignored_ones(clip):
+    assert run_ranks(3, _split_optimizers_with_an_ignored_parameter, clip) == [[True] * 4] * 3
+
+
+def test_a_failed_backward_leaves_no_stale_unscaling_behind(one_rank):
+    # Forgetting scaler.update() makes the next backward fail; after update() the scale has grown,
+    # and the following step must use the new scale, not the failed iteration's.
+    results = []
+    for wrapper_class in (DistributedDataParallel, OverlapDDP):
+        model = wrapper_class(models.build("mlp"))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+        if wrapper_class is OverlapDDP:
+            model.attach_optimizer(opt, overlap=True, scaler=scaler)
+        for step in range(3):
+            inputs, target = models.batch("mlp", 0, step)
+            scaled = scaler.scale(models.loss_of(model(inputs), target))
+            if wrapper_class is OverlapDDP and step == 1:
+                with pytest.raises(RuntimeError, match="already unscaled or stepped this optimizer"):
+                    scaled.backward()
+                opt.zero_grad()  # the iteration is lost, as with DDP below
+                scaler.update()
+                continue
+            scaled.backward()
+            if wrapper_class is DistributedDataParallel and step == 1:
+                opt.zero_grad()  # the same iteration, lost
+                scaler.update()
+                continue
+            scaler.step(opt)
+            if step != 0:
+                scaler.update()
+            opt.zero_grad()
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))

@@ -177,6 +177,9 @@ def test_every_rank_adopts_rank_0s_tuned_layout_at_the_same_step():
         for model_name in per_rank[0]:
             layouts = [r[model_name]["layouts"] for r in per_rank]
             assert all(layout == layouts[0] for layout in layouts), model_name
+            # The re-plan happened, at the forward the reducer announces, and the layout then stays.
+            replan = TUNED_FROM + (1 if "static" in model_name else 0)
+            assert layouts[0][replan] != layouts[0][replan - 1] and layouts[0][replan:] == [layouts[0][-1]] * (STEPS - replan)
             assert per_rank[0][model_name]["state"]["tuned_buckets"] is not None
 
 
@@ -225,3 +228,30 @@ def _resume(rank: int, world_size: int) -> bool:
 
 def test_a_tuned_checkpoint_resumes_with_the_same_layout_and_bits():
     assert run_ranks(3, _resume) == [True] * 3
+
+
+def _powersgd_over_the_tuned_plan(rank: int, world_size: int) -> str:
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    model = OverlapDDP(models.build("cnn_bn"), bucket_cap_mb=0.01, bucket_plan="tuned")
+    early = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+    try:
+        model.register_comm_hook(early, powersgd.powerSGD_hook)
+    except ValueError as error:
+        refused = str(error)
+    else:
+        refused = "no error"
+    late = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=TUNED_FROM)
+    model.register_comm_hook(late, powersgd.powerSGD_hook)
+    opt = models.optimizer("sgd", model.parameters())
+    for step in range(STEPS):  # compression starts on the tuned layout and keeps working
+        inputs, target = models.batch("cnn_bn", rank, step)
+        models.loss_of(model(inputs), target).backward()
+        opt.step()
+        opt.zero_grad()
+    return refused
+
+
+def test_powersgd_must_start_after_the_tuned_layout_is_final():
+    for refused in run_ranks(2, _powersgd_over_the_tuned_plan):
+        assert f"set start_powerSGD_iter >= {TUNED_FROM}" in refused

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -206,7 +208,9 @@ def test_gradient_as_bucket_view_makes_gradients_views_of_the_buckets(one_rank):
 def test_to_kwargs_returns_what_ddp_returns(one_rank):
     ddp, ours = DistributedDataParallel(nn.Linear(3, 3)), OverlapDDP(nn.Linear(3, 3))
     x = torch.arange(6.0).reshape(2, 3)
-    for inputs, kwargs in [((x, [x, {"a": x}]), {"k": x}), ((), {"k": x}), ((x,), None), ((x, x), {})]:
+    pair = collections.namedtuple("pair", "a b")
+    cases = [((x, [x, {"a": x}]), {"k": x}), ((), {"k": x}), ((x,), None), ((x, x), {}), ([x, x], None), ((pair(x, x),), None)]
+    for inputs, kwargs in cases:
         theirs, mine = ddp.to_kwargs(inputs, kwargs, 0), ours.to_kwargs(inputs, kwargs, 0)
         assert repr(mine) == repr(theirs)  # same nesting, same values
 
@@ -221,13 +225,16 @@ def test_set_params_and_buffers_to_ignore_marks_the_module_as_ddp_does(one_rank)
     assert marked[0] == marked[1] == (["0.bias", "1.running_mean"], ["0.bias", "1.running_mean"])
 
 
-def _late_static_graph(rank: int, world_size: int, switch_ours: bool) -> list[bool] | str:
-    """DDP and OverlapDDP each switched to a static graph after construction, as older scripts do."""
-    ddp = DistributedDataParallel(models.build("checkpointed"), bucket_cap_mb=0.001)
-    ours = OverlapDDP(models.build("checkpointed"), bucket_cap_mb=0.001)
-    ddp._set_static_graph()
-    if switch_ours:
-        ours._set_static_graph()
+def _late_static_graph(rank: int, world_size: int, switch_ours: bool, find_unused: bool = False) -> list[bool] | str:
+    """DDP and OverlapDDP each switched to a static graph after construction, as older scripts do
+    (with find_unused_parameters, both keep the buckets sized at construction)."""
+    ddp = DistributedDataParallel(models.build("checkpointed"), bucket_cap_mb=0.001, find_unused_parameters=find_unused)
+    ours = OverlapDDP(models.build("checkpointed"), bucket_cap_mb=0.001, find_unused_parameters=find_unused)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # both warn that find_unused_parameters is not needed
+        ddp._set_static_graph()
+        if switch_ours:
+            ours._set_static_graph()
     try:
         equal = models.train_side_by_side("checkpointed", rank, 4, ddp, ours)
         with pytest.warns(UserWarning, match="no need to set it again"):
@@ -237,15 +244,21 @@ def _late_static_graph(rank: int, world_size: int, switch_ours: bool) -> list[bo
     return equal
 
 
-def test_set_static_graph_after_construction_is_bit_equal_to_ddp():
-    assert run_ranks(3, _late_static_graph, True) == [[True] * 4] * 3
+@pytest.mark.parametrize("find_unused", (False, True))
+def test_set_static_graph_after_construction_is_bit_equal_to_ddp(find_unused):
+    assert run_ranks(3, _late_static_graph, True, find_unused) == [[True] * 4] * 3
     # Without the switch the never-used layer stops training: the switch is what makes it work.
     assert all("Parameters which did not receive grad" in r for r in run_ranks(3, _late_static_graph, False))
 
 
-def test_set_static_graph_after_a_backward_is_refused(one_rank):
+def test_set_static_graph_after_a_backward_or_a_loaded_layout_is_refused(one_rank):
     model = OverlapDDP(models.build("mlp"))
     inputs, target = models.batch("mlp", 0, 0)
-    models.loss_of(model(inputs), target).backward()
+    for _ in range(2):  # the second forward rebuilds the buckets
+        models.loss_of(model(inputs), target).backward()
     with pytest.raises(RuntimeError, match="only be turned on before the first backward"):
         model._set_static_graph()
+    resumed = OverlapDDP(models.build("mlp"))
+    resumed.load_bucket_state(model.bucket_state())
+    with pytest.raises(RuntimeError, match="before load_bucket_state"):
+        resumed._set_static_graph()
