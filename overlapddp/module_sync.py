@@ -55,10 +55,8 @@ def broadcast_coalesced(
             for chunk in _chunks(members):
                 flat = torch.cat([t.reshape(-1) for t in chunk])
                 dist.broadcast(flat, src=global_src, group=process_group)
-                offset = 0
-                for tensor in chunk:
-                    tensor.copy_(flat.narrow(0, offset, tensor.numel()).view_as(tensor))
-                    offset += tensor.numel()
+                pieces = flat.split([t.numel() for t in chunk])
+                torch._foreach_copy_(chunk, [piece.view_as(t) for piece, t in zip(pieces, chunk)])
 
 
 def _chunks(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
