@@ -151,6 +151,15 @@ def initial_plan(
     return BucketPlan(tuple(b for b, _ in buckets), tuple(cap for _, cap in buckets))
 
 
+def explicit_plan(params: Sequence[torch.Tensor], buckets: Sequence[Sequence[int]]) -> BucketPlan:
+    """A plan with the given membership (the tuned layout, or a checkpoint's); each bucket's recorded
+    cap is its size."""
+    return BucketPlan(
+        tuple(tuple(members) for members in buckets),
+        tuple(sum(params[i].numel() * params[i].element_size() for i in members) for members in buckets),
+    )
+
+
 def rebuilt_plan(
     params: Sequence[torch.Tensor],
     sparse_gradient: Sequence[bool],

@@ -135,10 +135,12 @@ class Fence:
         if future is None:
             raise RuntimeError(f"Bucket {bucket} was asked for its result but was never launched.")
         value = future.wait()
-        now = time.perf_counter()
-        # The callback may run just after the waiter woke; never before the launch was recorded.
-        finished = max(min(self._finished_at.pop(bucket, now), now), self._launched_at.pop(bucket, now))
-        self._record(bucket, "completed", "finalize", at=finished if self.log is not None else None)
+        finished = None
+        if bucket in self._launched_at:  # logging with host-visible completion
+            now = time.perf_counter()
+            # The callback may run just after the waiter woke; never before the launch was recorded.
+            finished = max(min(self._finished_at.pop(bucket, now), now), self._launched_at.pop(bucket))
+        self._record(bucket, "completed", "finalize", at=finished)
         return value
 
     def consumed(self, bucket: int, consumer: str) -> None:

@@ -51,6 +51,7 @@ class OverlappedOptimizer:
         self.max_grad_norm = max_grad_norm
         self.norm_type = float(norm_type)
         self._update = optimizer.step  # the real step, called per bucket
+        self._reduced = {id(p) for p in reducer.params}  # parameters whose gradients arrive in buckets
         # Loss scaling: each bucket is unscaled as soon as it is reduced; the scaler then learns the
         # outcome as if scaler.unscale_(optimizer) had run (None: no scaler, or a disabled one).
         self._unscaler: BucketUnscaler | None = None
@@ -128,8 +129,7 @@ class OverlappedOptimizer:
             self._update()
         elif not self._updates_wait_for_all:
             # The optimizer's parameters that no bucket carries (ignored by the wrapper) update last.
-            reduced = {id(p) for p in self._reducer.params}
-            outside = [p for p in self._params() if id(p) not in reduced and p.grad is not None]
+            outside = [p for p in self._params() if id(p) not in self._reduced and p.grad is not None]
             if outside:
                 self._update_bucket(outside)
         self._versions = [(p.grad, p.grad._version) for p in self._reducer.params if p.grad is not None]

@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from overlapddp.bucket_plan import BucketPlan
+from overlapddp.bucket_plan import BucketPlan, explicit_plan
 from overlapddp.tuned_plan import BucketTiming, fit_link, tuned_plan
 
 CALIBRATION_ITERATIONS = 2  # measured synchronized iterations after DDP's rebuild
@@ -107,7 +107,7 @@ class PlanTuner:
         for n in lengths:
             buckets.append(tuple(order[position: position + n]))
             position += n
-        return BucketPlan(tuple(buckets), tuple(self._nbytes(b) for b in buckets))
+        return explicit_plan(self._params, buckets)
 
     def _plan(self) -> BucketPlan | None:
         if not self._ready or not any(self._buckets):
@@ -116,6 +116,3 @@ class PlanTuner:
         # as DDP's layout treats unused parameters.
         ready = [statistics.median(0.0 if math.isnan(t) else t for t in times) for times in zip(*self._ready)]
         return tuned_plan(self._params, ready, fit_link(self._buckets))
-
-    def _nbytes(self, members: Sequence[int]) -> int:
-        return sum(self._params[i].numel() * self._params[i].element_size() for i in members)

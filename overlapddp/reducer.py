@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from overlapddp.bucket_plan import BucketCaps, BucketPlan, initial_plan, rebuilt_plan
+from overlapddp.bucket_plan import BucketCaps, BucketPlan, explicit_plan, initial_plan, rebuilt_plan
 from overlapddp.bucket_storage import BucketStorage
 from overlapddp.comm_hook import Bucket, CommHook, allreduce_sum, hook_result, is_unchained, run_hook
 from overlapddp.fence import Fence
@@ -217,8 +217,7 @@ class Reducer:
             if sorted(i for b in tuned for i in b) != list(range(len(self.params))):
                 raise ValueError(f"The tuned layout must hold each of the {len(self.params)} parameters once.")
             self._tuner.done = True
-            sizes = tuple(sum(self.params[i].numel() * self.params[i].element_size() for i in b) for b in tuned)
-            plan = BucketPlan(tuple(tuple(b) for b in tuned), sizes)
+            plan = explicit_plan(self.params, tuned)
         self._adopt_plan(plan)
 
     def enable_token_weighting(self) -> TokenCount:
@@ -415,11 +414,13 @@ class Reducer:
             self._fence.launch(index, lambda: self._start_measured(bucket))
 
     def _start_measured(self, bucket: Bucket) -> torch.futures.Future:
+        """Start the reduction; with the tuned plan, also time it for the tuner."""
+        if self._tuner is None:
+            return self._start_reduction(bucket)
         started = time.perf_counter()
         future = self._start_reduction(bucket)
-        if self._tuner is not None:
-            buffer = bucket.buffer()
-            self._tuner.bucket_launched(buffer.numel() * buffer.element_size(), started, future)
+        buffer = bucket.buffer()
+        self._tuner.bucket_launched(buffer.numel() * buffer.element_size(), started, future)
         return future
 
     def _bucket(self, index: int, buffer: torch.Tensor) -> Bucket:

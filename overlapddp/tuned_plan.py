@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from overlapddp.bucket_plan import BucketPlan
+from overlapddp.bucket_plan import BucketPlan, explicit_plan
 
 MAX_BUCKET_TENSORS = 256
 
@@ -109,10 +109,7 @@ def tuned_plan(params: Sequence[torch.Tensor], ready_s: Sequence[float], link: L
         bounds.append((start[end], end))
         end = start[end]
     bounds.reverse()
-    return BucketPlan(
-        tuple(tuple(order[a:b]) for a, b in bounds),
-        tuple(sum(nbytes[a:b]) for a, b in bounds),
-    )
+    return explicit_plan(params, [order[a:b] for a, b in bounds])
 
 
 def predicted_finish(plan: BucketPlan, params: Sequence[torch.Tensor], ready_s: Sequence[float], link: LinkFit) -> float:
