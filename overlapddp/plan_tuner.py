@@ -1,7 +1,8 @@
 """Measure, then agree: the stateful half of ``bucket_plan="tuned"`` (the planning is tuned_plan.py).
 
 After DDP's own rebuild, the reducer reports a few synchronized iterations here: when each gradient
-was marked ready and when each bucket launched and completed. Then, at a forward that every rank
+was marked ready, when each bucket launched and completed, and how long the work after each
+reduction took (writing ``param.grad``; with an overlapped optimizer, its update). Then, at a forward that every rank
 reaches at the same iteration count, rank 0 plans from its measurements and broadcasts the layout,
 so all ranks adopt the same buckets. A rank that joined (uneven inputs) counts the iterations it
 shadows, so the broadcast is issued by every rank at the same point.
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from overlapddp.bucket_plan import BucketPlan, explicit_plan
-from overlapddp.tuned_plan import BucketTiming, fit_link, tuned_plan
+from overlapddp.tuned_plan import BucketTiming, fit_finalize, fit_link, tuned_plan
 
 CALIBRATION_ITERATIONS = 2  # measured synchronized iterations after DDP's rebuild
 
@@ -33,10 +34,12 @@ class PlanTuner:
         self._seen = 0  # synchronized iterations after the rebuild, shadowed ones included
         self._ready: list[list[float]] = []  # per measured iteration: each gradient's time from the first
         self._buckets: list[list[BucketTiming]] = []
-        # The iteration being measured: ready times, and per bucket (bytes, launch time, completion
-        # box, seconds the launch took on backward's thread).
+        # The iteration being measured: ready times; per bucket (bytes, gradients, launch time,
+        # completion box, seconds the launch took on backward's thread); per bucket in the same
+        # order, seconds of work after its reduction.
         self._current_ready: list[float] | None = None
-        self._current_buckets: list[tuple[int, float, list[float], float]] = []
+        self._current_buckets: list[tuple[int, int, float, list[float], float]] = []
+        self._current_finalize: list[float] = []
 
     @property
     def due(self) -> bool:
@@ -48,20 +51,31 @@ class PlanTuner:
         if not self.done:
             self._current_ready = [math.nan] * len(self._params)
             self._current_buckets = []
+            self._current_finalize = []
 
     def gradient_ready(self, index: int) -> None:
         if self._current_ready is not None:
             self._current_ready[index] = time.perf_counter()
 
-    def bucket_launched(self, nbytes: int, started: float, future: torch.futures.Future) -> None:
-        """Note a launch that began at ``started`` and returned ``future``; the completion time is
-        written by the future's callback."""
+    @property
+    def measuring(self) -> bool:
+        """An iteration is being measured (the reducer times its launches and finalize work)."""
+        return self._current_ready is not None
+
+    def bucket_launched(self, nbytes: int, tensors: int, started: float, future: torch.futures.Future) -> None:
+        """Note a launch of ``tensors`` gradients that began at ``started`` and returned ``future``;
+        the completion time is written by the future's callback."""
         if self._current_ready is None:
             return
         finished: list[float] = []
         now = time.perf_counter()
-        self._current_buckets.append((nbytes, now, finished, now - started))
+        self._current_buckets.append((nbytes, tensors, now, finished, now - started))
         future.add_done_callback(lambda _: finished.append(time.perf_counter()))
+
+    def bucket_finalized(self, seconds: float) -> None:
+        """The next launched bucket's work after its reduction took ``seconds``."""
+        if self._current_ready is not None:
+            self._current_finalize.append(seconds)
 
     def end_iteration(self) -> None:
         """Every bucket was completed (finalize); keep this iteration's timings."""
@@ -70,9 +84,10 @@ class PlanTuner:
         now = time.perf_counter()  # a completion callback may run just after the waiter woke
         first = min((t for t in self._current_ready if not math.isnan(t)), default=now)
         self._ready.append([t - first for t in self._current_ready])
+        finalize = self._current_finalize + [0.0] * (len(self._current_buckets) - len(self._current_finalize))
         self._buckets.append([
-            BucketTiming(n, launched, min(done, default=now), host_s)
-            for n, launched, done, host_s in self._current_buckets
+            BucketTiming(n, launched, min(done, default=now), host_s, tensors, work)
+            for (n, tensors, launched, done, host_s), work in zip(self._current_buckets, finalize)
         ])
         self._current_ready = None
         self._seen += 1
@@ -115,4 +130,4 @@ class PlanTuner:
         # A gradient never marked in a measured iteration (unused there) counts as ready first,
         # as DDP's layout treats unused parameters.
         ready = [statistics.median(0.0 if math.isnan(t) else t for t in times) for times in zip(*self._ready)]
-        return tuned_plan(self._params, ready, fit_link(self._buckets))
+        return tuned_plan(self._params, ready, fit_link(self._buckets), fit_finalize(self._buckets))

@@ -420,7 +420,7 @@ class Reducer:
         started = time.perf_counter()
         future = self._start_reduction(bucket)
         buffer = bucket.buffer()
-        self._tuner.bucket_launched(buffer.numel() * buffer.element_size(), started, future)
+        self._tuner.bucket_launched(buffer.numel() * buffer.element_size(), len(bucket.parameters()), started, future)
         return future
 
     def _bucket(self, index: int, buffer: torch.Tensor) -> Bucket:
@@ -468,12 +468,14 @@ class Reducer:
         self.state = ReducerState.FINALIZING
         self._fence.backward_ended()
         hook_name = "allreduce (default)" if self._comm_hook is None else _qualname(self._comm_hook[1])
+        measuring = self._tuner is not None and self._tuner.measuring
         try:
             for index, storage in enumerate(self._storages):
                 if self._skipped(index):
                     continue
                 with torch.autograd.profiler.record_function(f"overlapddp.bucket_{index}.complete"):
                     value = self._complete(index)
+                    reduced_at = time.perf_counter() if measuring else 0.0
                     self._check_untouched(index)
                     write = [self._globally_used(i) for i in self.plan.buckets[index]]
                     result = hook_result(value, hook_name, index, storage.buffer)
@@ -481,6 +483,8 @@ class Reducer:
                     self._fence.consumed(index, "copy to param.grad")
                 if self.after_bucket_reduced is not None:
                     self.after_bucket_reduced(storage.params)
+                if measuring:
+                    self._tuner.bucket_finalized(time.perf_counter() - reduced_at)
             if self._usage is not None:
                 self._usage.settle()
             if self.after_all_reduced is not None:

@@ -19,7 +19,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP, plan_tuner
 from overlapddp.bucket_plan import BucketPlan
-from overlapddp.tuned_plan import BucketTiming, LinkFit, fit_link, predicted_finish, tuned_plan
+from overlapddp.tuned_plan import (
+    BucketTiming,
+    FinalizeFit,
+    LinkFit,
+    fit_finalize,
+    fit_link,
+    predicted_end,
+    tuned_plan,
+)
 from tests import models
 from tests.multiprocess import run_ranks
 
@@ -58,18 +66,36 @@ def _all_partitions(order: list[int]) -> list[BucketPlan]:
     return plans
 
 
+@pytest.mark.parametrize("with_finalize_work", [False, True], ids=["link-only", "with-finalize-work"])
 @pytest.mark.parametrize("seed", range(20))
-def test_tuned_plan_finishes_as_early_as_the_best_split_in_ready_order(seed):
+def test_tuned_plan_ends_as_early_as_the_best_split_in_ready_order(seed, with_finalize_work):
     rng = random.Random(seed)
-    count = rng.randint(1, 8)
+    count = rng.randint(1, 9)
     params = _tensors([rng.randint(1, 5000) for _ in range(count)])
     ready = [rng.uniform(0, 1e-3) for _ in range(count)]
     link = LinkFit(alpha_s=rng.uniform(0, 2e-4), bytes_per_s=rng.uniform(1e7, 1e8))
-    plan = tuned_plan(params, ready, link)
+    # Work after each reduction of the same order as the link time, so that it shapes the plan.
+    work = FinalizeFit(rng.uniform(0, 2e-4), rng.uniform(0, 2e-8)) if with_finalize_work else FinalizeFit(0.0, 0.0)
+    plan = tuned_plan(params, ready, link, work)
     order = sorted(range(count), key=lambda i: (ready[i], i))
-    best = min(predicted_finish(p, params, ready, link) for p in _all_partitions(order))
-    assert predicted_finish(plan, params, ready, link) == pytest.approx(best, rel=1e-12, abs=0)
+    best = min(predicted_end(p, params, ready, link, work) for p in _all_partitions(order))
+    assert predicted_end(plan, params, ready, link, work) == pytest.approx(best, rel=1e-12, abs=0)
     assert [i for b in plan.buckets for i in b] == order  # consecutive runs of the ready order
+
+
+def test_finalize_work_splits_the_last_bucket_so_less_work_follows_the_last_reduction():
+    # Twenty small gradients all ready at the end of backward: on the link alone one bucket is
+    # best (each extra bucket costs alpha); with work after each reduction, the earlier part's work
+    # runs while the rest is on the link, so the plan splits it and ends sooner.
+    params = _tensors([1000] * 20)
+    ready = [0.0] * 20
+    link = LinkFit(alpha_s=1e-5, bytes_per_s=1e7)  # 4 ms per gradient on the link
+    work = FinalizeFit(per_tensor_s=1e-3, per_byte_s=0.0)
+    assert len(tuned_plan(params, ready, link).buckets) == 1
+    split = tuned_plan(params, ready, link, work)
+    assert len(split.buckets) > 1
+    one_bucket = BucketPlan((tuple(range(20)),), (0,))
+    assert predicted_end(split, params, ready, link, work) < predicted_end(one_bucket, params, ready, link, work)
 
 
 def test_tuned_plan_splits_off_a_late_large_gradient_that_ddp_caps_would_keep_together():
@@ -78,7 +104,7 @@ def test_tuned_plan_splits_off_a_late_large_gradient_that_ddp_caps_would_keep_to
     params = _tensors([1000, 1000, 1000, 250_000])
     plan = tuned_plan(params, [0.0, 1e-4, 2e-4, 5e-3], LinkFit(alpha_s=5e-5, bytes_per_s=1e8))
     assert plan.buckets[-1] == (3,)
-    assert predicted_finish(plan, params, [0.0, 1e-4, 2e-4, 5e-3], LinkFit(5e-5, 1e8)) < predicted_finish(
+    assert predicted_end(plan, params, [0.0, 1e-4, 2e-4, 5e-3], LinkFit(5e-5, 1e8)) < predicted_end(
         BucketPlan(((0, 1, 2, 3),), (0,)), params, [0.0, 1e-4, 2e-4, 5e-3], LinkFit(5e-5, 1e8)
     )
 
@@ -101,6 +127,26 @@ def test_fit_link_takes_the_launch_cost_as_overhead_and_the_rest_as_throughput()
     assert fit.alpha_s == host  # the cheapest launch
     # The service times add up to 4 * alpha + bytes / rate; what exceeds the overhead is transfer.
     assert fit.bytes_per_s == pytest.approx(1_350_000 / (4 * (alpha - host) + 1_350_000 / rate), rel=1e-9)
+
+
+def test_fit_finalize_recovers_per_gradient_and_per_byte_costs():
+    per_tensor, per_byte = 3e-5, 2e-10
+    timings = [
+        BucketTiming(nbytes, 0.0, 0.0, tensors=tensors, finalize_s=per_tensor * tensors + per_byte * nbytes)
+        for tensors, nbytes in ((2, 9_000_000), (30, 400_000), (110, 1_200_000))
+    ]
+    fit = fit_finalize([timings])
+    assert fit.per_tensor_s == pytest.approx(per_tensor, rel=1e-6)
+    assert fit.per_byte_s == pytest.approx(per_byte, rel=1e-6)
+
+
+def test_fit_finalize_drops_a_negative_coefficient_and_refits_the_other():
+    # Time that falls with the byte count would fit a negative per-byte cost: keep per-gradient only.
+    timings = [BucketTiming(nbytes, 0.0, 0.0, tensors=10, finalize_s=1e-3 - nbytes * 1e-10)
+               for nbytes in (1_000, 2_000_000, 4_000_000)]
+    fit = fit_finalize([timings])
+    assert fit.per_byte_s == 0.0 and fit.per_tensor_s > 0
+    assert fit_finalize([[BucketTiming(100, 0.0, 0.0)]]) == FinalizeFit(0.0, 0.0)  # nothing measured
 
 
 def test_fit_link_of_an_idle_fast_link_is_never_degenerate():
@@ -140,7 +186,7 @@ def _train(rank: int, world_size: int, own_plans: bool = False) -> dict[str, obj
         ddp = DistributedDataParallel(models.build(model_name), bucket_cap_mb=0.01, **options)
         ours = OverlapDDP(models.build(model_name), bucket_cap_mb=0.01, bucket_plan="tuned", **options)
         ddp_opt, our_opt = models.optimizer(opt_name, ddp.parameters()), models.optimizer(opt_name, ours.parameters())
-        equal, layouts = [], []
+        equal, layouts, tuned = [], [], []
         for step in range(STEPS):
             inputs, target = models.batch(model_name, rank, step)
             for wrapper, opt in ((ddp, ddp_opt), (ours, our_opt)):
@@ -150,8 +196,10 @@ def _train(rank: int, world_size: int, own_plans: bool = False) -> dict[str, obj
                 opt.zero_grad(set_to_none=not options.get("gradient_as_bucket_view", False))
             equal.append(all(torch.equal(a, b) for a, b in zip(ddp.state_dict().values(), ours.state_dict().values())))
             layouts.append(ours.bucket_indices())
+            tuned.append(ours.bucket_state()["tuned_buckets"] is not None)
         results[case] = {
             "equal": equal,
+            "tuned": tuned,
             "layouts": layouts,
             "state": ours.bucket_state(),
             "parameters": hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in ours.parameters())).hexdigest(),
@@ -177,9 +225,11 @@ def test_every_rank_adopts_rank_0s_tuned_layout_at_the_same_step():
         for model_name in per_rank[0]:
             layouts = [r[model_name]["layouts"] for r in per_rank]
             assert all(layout == layouts[0] for layout in layouts), model_name
-            # The re-plan happened, at the forward the reducer announces, and the layout then stays.
+            # The re-plan happened, at the forward the reducer announces, and the layout then stays
+            # (the tuned layout may happen to equal DDP's, so the change itself is not required).
             replan = TUNED_FROM + (1 if "static" in model_name else 0)
-            assert layouts[0][replan] != layouts[0][replan - 1] and layouts[0][replan:] == [layouts[0][-1]] * (STEPS - replan)
+            assert per_rank[0][model_name]["tuned"] == [False] * replan + [True] * (STEPS - replan), model_name
+            assert layouts[0][replan:] == [layouts[0][-1]] * (STEPS - replan)
             assert per_rank[0][model_name]["state"]["tuned_buckets"] is not None
 
 
