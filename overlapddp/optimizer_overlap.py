@@ -95,19 +95,18 @@ class OverlappedOptimizer:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def _update_bucket(self, params: list[torch.Tensor]) -> None:
-        """Step the optimizer with every gradient but this bucket's hidden (it skips params without grad)."""
+        """Step the optimizer over this bucket's parameters only: each group briefly lists just its
+        members of the bucket (the update of one parameter reads only its own gradient and state)."""
         members = {id(p) for p in params}
-        hidden = []
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in members and p.grad is not None:
-                    hidden.append((p, p.grad))
-                    p.grad = None
+        groups = self.optimizer.param_groups
+        everything = [group["params"] for group in groups]
         try:
+            for group, group_params in zip(groups, everything):
+                group["params"] = [p for p in group_params if id(p) in members]
             self._update()
         finally:
-            for p, grad in hidden:
-                p.grad = grad
+            for group, group_params in zip(groups, everything):
+                group["params"] = group_params
 
     def _measure_bucket(self, params: list[torch.Tensor]) -> None:
         """Clipping needs the total norm first: compute this bucket's share while others reduce."""
