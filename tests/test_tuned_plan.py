@@ -154,6 +154,36 @@ def test_fit_link_of_an_idle_fast_link_is_never_degenerate():
     assert fit.alpha_s == 0.0 and fit.bytes_per_s > 0
 
 
+def test_calibration_measures_the_work_after_each_reduction_and_plans_with_it(one_rank, monkeypatch):
+    # With an overlapped optimizer the work after a reduction includes that bucket's update; the
+    # tuner must time it for every launched bucket and hand the fit to the planner.
+    seen = {}
+
+    def spy(params, ready, link, finalize):
+        seen["finalize"] = finalize
+        return tuned_plan(params, ready, link, finalize)
+
+    def spy_fit(iterations):
+        seen["timings"] = [list(buckets) for buckets in iterations]
+        return fit_finalize(iterations)
+
+    monkeypatch.setattr(plan_tuner, "tuned_plan", spy)
+    monkeypatch.setattr(plan_tuner, "fit_finalize", spy_fit)
+    ours = OverlapDDP(models.build("cnn_bn"), bucket_cap_mb=0.01, bucket_plan="tuned")
+    opt = models.optimizer("sgd", ours.parameters())
+    ours.attach_optimizer(opt, overlap=True)
+    for step in range(STEPS):
+        inputs, target = models.batch("cnn_bn", 0, step)
+        models.loss_of(ours(inputs), target).backward()
+        opt.step()
+        opt.zero_grad()
+    assert len(seen["timings"]) == plan_tuner.CALIBRATION_ITERATIONS
+    for buckets in seen["timings"]:  # every gradient counted once, every bucket's work timed
+        assert sum(b.tensors for b in buckets) == len(list(ours.parameters()))
+        assert all(b.finalize_s > 0 for b in buckets)
+    assert seen["finalize"].per_tensor_s > 0 or seen["finalize"].per_byte_s > 0
+
+
 def test_bucket_plan_keyword_is_checked(one_rank):
     with pytest.raises(ValueError, match="bucket_plan must be one of 'ddp', 'tuned'"):
         OverlapDDP(models.build("mlp"), bucket_plan="fast")
