@@ -2,10 +2,10 @@
 
 After DDP's own rebuild, the reducer reports a few synchronized iterations here: when each gradient
 was marked ready, when each bucket launched and completed, and how long the work after each
-reduction took (writing ``param.grad``; with an overlapped optimizer, its update). Then, at a forward that every rank
-reaches at the same iteration count, rank 0 plans from its measurements and broadcasts the layout,
-so all ranks adopt the same buckets. A rank that joined (uneven inputs) counts the iterations it
-shadows, so the broadcast is issued by every rank at the same point.
+reduction took (writing ``param.grad``; with an overlapped optimizer, its update). Then, at a
+forward that every rank reaches at the same iteration count, rank 0 plans from its measurements and
+broadcasts the layout, so all ranks adopt the same buckets. A rank that joined (uneven inputs)
+counts the iterations it shadows, so the broadcast is issued by every rank at the same point.
 """
 
 from __future__ import annotations
