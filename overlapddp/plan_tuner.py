@@ -3,8 +3,9 @@
 After DDP's own rebuild, the reducer reports a few synchronized iterations here: when each gradient
 was marked ready, when each bucket launched and completed, and how long the work after each
 reduction took (writing ``param.grad``; with an overlapped optimizer, its update). Then, at a
-forward that every rank reaches at the same iteration count, rank 0 plans from its measurements and
-broadcasts the layout, so all ranks adopt the same buckets. A rank that joined (uneven inputs)
+forward that every rank reaches at the same iteration count, the ranks share their ready times (a
+gradient counts as ready when the slowest rank had it), rank 0 plans from them and its own link and
+work measurements, and broadcasts the layout, so all ranks adopt the same buckets. A rank that joined (uneven inputs)
 counts the iterations it shadows, so the broadcast is issued by every rank at the same point.
 """
 
@@ -102,12 +103,17 @@ class PlanTuner:
         self._current_ready = None
 
     def agree(self, process_group: dist.ProcessGroup, device: torch.device) -> BucketPlan | None:
-        """Rank 0 plans, every rank adopts its layout (collective). None: keep the current plan
-        (rank 0 measured nothing usable, e.g. it had joined)."""
+        """Rank 0 plans from every rank's ready times, every rank adopts its layout (collectives).
+        None: keep the current plan (rank 0 measured nothing usable, e.g. it had joined).
+
+        Each gradient counts as ready when the slowest rank had it: a bucket's collective can only
+        proceed once every rank has launched it."""
         count = len(self._params)
+        ready = torch.tensor(self._median_ready(), dtype=torch.float64, device=device)
+        dist.all_reduce(ready, op=dist.ReduceOp.MAX, group=process_group)
         layout = torch.zeros(2, count, dtype=torch.int64, device=device)  # [order; bucket lengths]
         if dist.get_rank(process_group) == 0:
-            plan = self._plan()
+            plan = self._plan(ready.tolist())
             if plan is not None:
                 order = [i for members in plan.buckets for i in members]
                 layout[0] = torch.tensor(order)
@@ -124,10 +130,15 @@ class PlanTuner:
             position += n
         return explicit_plan(self._params, buckets)
 
-    def _plan(self) -> BucketPlan | None:
+    def _median_ready(self) -> list[float]:
+        """Each gradient's median ready time over the measured iterations, from the first gradient
+        (zeros if none was measured, e.g. this rank had joined). A gradient never marked in a measured
+        iteration (unused there) counts as ready first, as DDP's layout treats unused parameters."""
+        if not self._ready:
+            return [0.0] * len(self._params)
+        return [statistics.median(0.0 if math.isnan(t) else t for t in times) for times in zip(*self._ready)]
+
+    def _plan(self, ready: list[float]) -> BucketPlan | None:
         if not self._ready or not any(self._buckets):
             return None
-        # A gradient never marked in a measured iteration (unused there) counts as ready first,
-        # as DDP's layout treats unused parameters.
-        ready = [statistics.median(0.0 if math.isnan(t) else t for t in times) for times in zip(*self._ready)]
         return tuned_plan(self._params, ready, fit_link(self._buckets), fit_finalize(self._buckets))

@@ -194,6 +194,35 @@ def test_bucket_plan_keyword_is_checked(one_rank):
 # -- in training -------------------------------------------------------------------------------
 
 
+def _planned_ready_times(rank: int, world_size: int) -> list[float] | None:
+    """Rank 1 reports every gradient ready 5 s into backward; return what rank 0 planned with."""
+    seen: dict[str, list[float]] = {}
+    if rank == 1:
+        plan_tuner.PlanTuner._median_ready = lambda self: [5.0] * len(self._params)
+    planner = plan_tuner.tuned_plan
+
+    def spy(params, ready, link, finalize):
+        seen["ready"] = list(ready)
+        return planner(params, ready, link, finalize)
+
+    plan_tuner.tuned_plan = spy
+    ours = OverlapDDP(models.build("cnn_bn"), bucket_cap_mb=0.01, bucket_plan="tuned")
+    opt = models.optimizer("sgd", ours.parameters())
+    for step in range(STEPS):
+        inputs, target = models.batch("cnn_bn", rank, step)
+        models.loss_of(ours(inputs), target).backward()
+        opt.step()
+        opt.zero_grad()
+    return seen.get("ready")
+
+
+def test_rank_0_plans_with_the_slowest_ranks_ready_times():
+    # A bucket's collective proceeds only when every rank launched it, so the plan must use the
+    # latest ready time of each gradient over the ranks, not rank 0's own.
+    planned = run_ranks(2, _planned_ready_times)[0]
+    assert planned is not None and planned == [5.0] * len(planned)
+
+
 def _own_plan_fault(rank: int) -> None:
     """Fault: rank 1 does not adopt rank 0's layout as sent; it orders each bucket's members its own
     way (same bucket sizes, so the collectives run, but they sum mismatched values)."""
