@@ -40,8 +40,10 @@ def test_timeline_orders_edges_and_shows_exposed_communication_of_a_lagging_rank
         assert facts["buckets_per_iteration"][0] == 1 and facts["buckets_per_iteration"][1] > 1
         trace = json.loads(facts["trace"])["traceEvents"]
         assert any(e["name"] == "backward end" for e in trace) and any("reducing" in e["name"] for e in trace)
-    # Rank 1's futures resolve DELAY_S late, so its communication outlasts its backward by at least that.
-    assert all(exposed >= DELAY_S * 0.9 for exposed in ranks[1]["exposed"])
+    # Rank 1's futures resolve DELAY_S after launch, so its communication outlasts its backward by
+    # about that (less the time from the last launch to the end of backward, which a loaded
+    # machine can stretch by milliseconds: half the delay is asserted).
+    assert all(exposed >= DELAY_S / 2 for exposed in ranks[1]["exposed"])
     # The last bucket to become ready is the last one in the (rebuilt) launch order.
     assert ranks[0]["last_ready"][1:] == [ranks[0]["buckets_per_iteration"][1] - 1] * 2
 
