@@ -65,18 +65,16 @@ class PlanTuner:
 
     def bucket_launched(self, nbytes: int, tensors: int, started: float, future: torch.futures.Future) -> None:
         """Note a launch of ``tensors`` gradients that began at ``started`` and returned ``future``;
-        the completion time is written by the future's callback."""
-        if self._current_ready is None:
-            return
+        the completion time is written by the future's callback (called only while measuring)."""
         finished: list[float] = []
         now = time.perf_counter()
         self._current_buckets.append((nbytes, tensors, now, finished, now - started))
         future.add_done_callback(lambda _: finished.append(time.perf_counter()))
 
     def bucket_finalized(self, seconds: float) -> None:
-        """The next launched bucket's work after its reduction took ``seconds``."""
-        if self._current_ready is not None:
-            self._current_finalize.append(seconds)
+        """The next launched bucket's work after its reduction took ``seconds`` (called only while
+        measuring)."""
+        self._current_finalize.append(seconds)
 
     def end_iteration(self) -> None:
         """Every bucket was completed (finalize); keep this iteration's timings."""

@@ -414,8 +414,8 @@ class Reducer:
             self._fence.launch(index, lambda: self._start_measured(bucket))
 
     def _start_measured(self, bucket: Bucket) -> torch.futures.Future:
-        """Start the reduction; with the tuned plan, also time it for the tuner."""
-        if self._tuner is None:
+        """Start the reduction; while the tuned plan calibrates, also time it for the tuner."""
+        if self._tuner is None or not self._tuner.measuring:
             return self._start_reduction(bucket)
         started = time.perf_counter()
         future = self._start_reduction(bucket)

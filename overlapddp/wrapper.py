@@ -46,7 +46,8 @@ class OverlapDDP(nn.Module, Joinable):
     """Drop-in ``DistributedDataParallel``: the same arguments, the same numbers, explicit fences.
 
     Beyond DDP's arguments, the keyword ``bucket_plan="tuned"`` re-plans the buckets after two
-    measured iterations so that the last reduction ends as soon after backward as the link allows.
+    measured iterations so that the work after backward (the last reductions, the copies into
+    ``param.grad`` and an overlapped optimizer's updates) ends as early as the link allows.
 
     Example::
 
@@ -396,12 +397,11 @@ class OverlapDDP(nn.Module, Joinable):
 def _check_per_bucket_state(state: object, final_layout_iteration: int) -> None:
     """PowerSGD keeps state per bucket index from ``start_powerSGD_iter`` on: the tuned layout must be
     final by then (DDP's own rebuild comes early enough for PowerSGD's minimum of 2)."""
-    start = getattr(state, "start_powerSGD_iter", None)
-    if isinstance(state, PowerSGDState) and start < final_layout_iteration:
+    if isinstance(state, PowerSGDState) and state.start_powerSGD_iter < final_layout_iteration:
         raise ValueError(
-            f"PowerSGD keeps per-bucket state from iteration start_powerSGD_iter={start} on, but the buckets "
-            f"change until iteration {final_layout_iteration} (bucket_plan='tuned'); set start_powerSGD_iter >= "
-            f"{final_layout_iteration} or use bucket_plan='ddp'."
+            f"PowerSGD keeps per-bucket state from iteration start_powerSGD_iter={state.start_powerSGD_iter} on, "
+            f"but the buckets change until iteration {final_layout_iteration} (bucket_plan='tuned'); set "
+            f"start_powerSGD_iter >= {final_layout_iteration} or use bucket_plan='ddp'."
         )
 
 
