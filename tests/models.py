@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torchvision
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -64,6 +65,21 @@ class Checkpointed(nn.Module):
         return self.head(x)
 
 
+class RankOrdered(nn.Module):
+    """Two square layers whose order depends on the rank: rank 0 computes ``b(a(x))``, the others
+    ``a(b(x))``, so their gradients become ready in different orders (b's first on rank 0, a's first
+    elsewhere). DDP builds every rank's buckets from rank 0's order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, second = (self.a, self.b) if dist.get_rank() == 0 else (self.b, self.a)
+        return second(torch.tanh(first(x)))
+
+
 def build(name: str) -> nn.Module:
     """The model called ``name``, initialized from a fixed seed (identical on every call)."""
     torch.manual_seed(0)
@@ -95,13 +111,15 @@ def build(name: str) -> nn.Module:
         return Branchy(fixed=True)
     if name == "checkpointed":
         return Checkpointed()
+    if name == "rank_ordered":
+        return RankOrdered()
     raise ValueError(f"unknown test model {name!r}")
 
 
 def batch(name: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets that differ per rank and per step, the same for every wrapper."""
     g = torch.Generator().manual_seed(1000 * step + rank)
-    if name in ("mlp", "branchy", "branchy_fixed", "checkpointed"):
+    if name in ("mlp", "branchy", "branchy_fixed", "checkpointed", "rank_ordered"):
         return torch.randn(8, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
     if name in ("cnn_bn", "cnn_frozen", "cnn_channels_last"):
         return torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)

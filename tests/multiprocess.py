@@ -2,38 +2,64 @@
 
 The parent owns a TCPStore on port 0 (the OS picks a free port) and hands its port to the ranks,
 so concurrent runs never collide. Each rank uses one intra-op thread.
+
+A run that deadlocks fails within ``timeout_s`` (default ``DEFAULT_TIMEOUT_S``, well under a CI
+harness's limit) naming the test, the ranks that did not finish, where each of them hung (their
+Python stacks, dumped on request by ``faulthandler``) and what the finished ranks returned. On a
+slow machine ``OVERLAPDDP_TEST_TIMEOUT_SCALE`` (e.g. ``2``) stretches every such timeout.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import queue
+import signal
+import tempfile
+import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-DEFAULT_TIMEOUT_S = 600
+DEFAULT_TIMEOUT_S = 180
+# For the few spawns that run many checks (a whole parity matrix, a soak, torch.compile): still
+# under a 600 s harness limit, and enough for them on two cores shared with other work.
+SLOW_TIMEOUT_S = 540
+TIMEOUT_SCALE_ENV = "OVERLAPDDP_TEST_TIMEOUT_SCALE"
+_STACK_SIGNAL = getattr(signal, "SIGUSR1", None)  # POSIX only; elsewhere no stacks are dumped
+_STACK_WAIT_S = 2.0  # how long a hung rank gets to write its stacks before it is killed
 
 
 def _rank_main(
-    rank: int, world_size: int, port: int, target: Callable, args: tuple, results: Any, pg_timeout_s: float
+    rank: int, world_size: int, port: int, target: Callable, args: tuple, results: Any, pg_timeout_s: float,
+    stack_file: str,
 ) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
-    try:
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
-        )
+    with open(stack_file, "w") as stacks:
+        if _STACK_SIGNAL is not None:  # the parent asks for every thread's stack when this rank hangs
+            faulthandler.register(_STACK_SIGNAL, file=stacks, all_threads=True)
         try:
-            results.put((rank, "ok", target(rank, world_size, *args)))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
+            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+            dist.init_process_group(
+                "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
+            )
+            try:
+                results.put((rank, "ok", target(rank, world_size, *args)))
+            finally:
+                dist.destroy_process_group()
+        except BaseException:
+            results.put((rank, "error", traceback.format_exc()))
+
+
+def scaled_timeout(timeout_s: float) -> float:
+    """``timeout_s`` stretched by ``OVERLAPDDP_TEST_TIMEOUT_SCALE`` (default 1)."""
+    return timeout_s * float(os.environ.get(TIMEOUT_SCALE_ENV, "1"))
 
 
 def run_ranks(
@@ -46,35 +72,103 @@ def run_ranks(
 ) -> list[Any]:
     """Run ``target(rank, world_size, *args)`` on every rank; return the results in rank order.
 
-    Raises with every failing rank's traceback, or after ``timeout_s`` with the ranks that hung.
-    Ranks in ``dying`` are expected to exit without a result (their entry is None).
+    Raises with every failing rank's traceback; with the ranks that exited without a result; or,
+    once ``timeout_s`` (scaled, see the module docstring) has passed, with the ranks that hung and
+    their stacks. Ranks in ``dying`` are expected to exit without a result (their entry is None).
     """
+    limit = scaled_timeout(timeout_s)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     context = mp.get_context("spawn")
     results = context.Queue()
-    procs = [
-        context.Process(
-            target=_rank_main, args=(r, world_size, store.port, target, args, results, pg_timeout_s), daemon=True
-        )
-        for r in range(world_size)
-    ]
-    for proc in procs:
-        proc.start()
-    collected: dict[int, tuple[str, Any]] = {}
-    try:
-        while len(collected) < world_size - len(dying):
-            rank, status, value = results.get(timeout=timeout_s)
-            collected[rank] = (status, value)
-    except Exception:
-        missing = sorted(set(range(world_size)) - set(collected))
-        errors = "\n".join(f"rank {r}:\n{v}" for r, (s, v) in sorted(collected.items()) if s == "error")
-        raise AssertionError(f"ranks {missing} gave no result within {timeout_s} s\n{errors}") from None
-    finally:
+    with tempfile.TemporaryDirectory(prefix="overlapddp-ranks-") as scratch:
+        stack_files = [str(Path(scratch) / f"rank{r}.stacks") for r in range(world_size)]
+        procs = [
+            context.Process(
+                target=_rank_main,
+                args=(r, world_size, store.port, target, args, results, pg_timeout_s, stack_files[r]),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
         for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
+            proc.start()
+        try:
+            collected, problem = _collect(procs, results, world_size, dying, limit)
+            if problem is not None:
+                raise AssertionError(_report(problem, procs, collected, stack_files, dying))
+        finally:
+            for proc in procs:
+                proc.join(timeout=10)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
     errors = {r: v for r, (s, v) in collected.items() if s == "error"}
     if errors:
         raise AssertionError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(errors.items())))
     return [collected[r][1] if r in collected else None for r in range(world_size)]
+
+
+def _collect(
+    procs: list[Any], results: Any, world_size: int, dying: frozenset[int], limit: float
+) -> tuple[dict[int, tuple[str, Any]], str | None]:
+    """Gather each rank's (status, value) until all expected ranks answered, one exited silently,
+    or ``limit`` seconds passed; returns what was gathered and, if the run did not complete, why."""
+    collected: dict[int, tuple[str, Any]] = {}
+    expected = set(range(world_size)) - set(dying)
+    deadline = time.monotonic() + limit
+    while not expected <= set(collected):
+        try:
+            rank, status, value = results.get(timeout=0.5)
+            collected[rank] = (status, value)
+            continue
+        except queue.Empty:
+            pass
+        silent = [r for r in sorted(expected - set(collected)) if procs[r].exitcode is not None]
+        if silent:
+            _drain(results, collected, 1.0)  # a result still in the pipe of a rank that just exited
+            silent = [r for r in silent if r not in collected]
+            if silent:
+                codes = ", ".join(f"rank {r}: exit code {procs[r].exitcode}" for r in silent)
+                return collected, f"ranks {silent} exited without a result ({codes})"
+        if time.monotonic() > deadline:
+            _drain(results, collected, 0.1)
+            missing = sorted(expected - set(collected))
+            if missing:
+                return collected, f"ranks {missing} did not finish within {limit:g} s"
+    return collected, None
+
+
+def _drain(results: Any, collected: dict[int, tuple[str, Any]], wait_s: float) -> None:
+    try:
+        while True:
+            rank, status, value = results.get(timeout=wait_s)
+            collected[rank] = (status, value)
+    except queue.Empty:
+        return
+
+
+def _report(
+    problem: str, procs: list[Any], collected: dict[int, tuple[str, Any]], stack_files: list[str],
+    dying: frozenset[int],
+) -> str:
+    """The failure message: the test, the problem, the hung ranks' stacks, the finished ranks' answers."""
+    hung = [r for r, proc in enumerate(procs) if proc.is_alive() and r not in collected and r not in dying]
+    if _STACK_SIGNAL is not None:
+        for r in hung:
+            os.kill(procs[r].pid, _STACK_SIGNAL)
+        time.sleep(_STACK_WAIT_S if hung else 0)
+    for r in hung:
+        procs[r].kill()
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").removesuffix(" (call)")
+    lines = [f"{test}: {problem}"]
+    for r in hung:
+        stacks = Path(stack_files[r]).read_text() if Path(stack_files[r]).exists() else ""
+        lines.append(f"--- rank {r} hung here:\n{stacks.strip() or '(no stack was written)'}")
+    for r, (status, value) in sorted(collected.items()):
+        said = value if status == "error" else _short(repr(value))
+        lines.append(f"--- rank {r} finished ({status}):\n{said}")
+    return "\n".join(lines)
+
+
+def _short(text: str, limit: int = 2000) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text) - limit} more characters)"

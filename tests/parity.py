@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
 from tests import faults, hooks, models
-from tests.multiprocess import run_ranks
+from tests.multiprocess import DEFAULT_TIMEOUT_S, run_ranks
 
 
 @dataclass(frozen=True)
@@ -98,9 +98,11 @@ def run_scenarios(rank: int, world_size: int, scenarios: list[Scenario]) -> list
     return [run_scenario(rank, s) for s in scenarios]
 
 
-def outcomes_by_scenario(world_size: int, scenarios: list[Scenario]) -> dict[Scenario, list[Outcome]]:
+def outcomes_by_scenario(
+    world_size: int, scenarios: list[Scenario], timeout_s: float = DEFAULT_TIMEOUT_S
+) -> dict[Scenario, list[Outcome]]:
     """Every scenario in one process group of ``world_size`` ranks: per scenario, each rank's outcome."""
-    per_rank = run_ranks(world_size, run_scenarios, scenarios)
+    per_rank = run_ranks(world_size, run_scenarios, scenarios, timeout_s=timeout_s)
     return {s: [rank[i] for rank in per_rank] for i, s in enumerate(scenarios)}
 
 

@@ -41,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
 from tests import faults, hooks, models
-from tests.multiprocess import run_ranks
+from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
 from tests.parity import Outcome, Scenario, outcomes_by_scenario, run_scenario
 
 TINY = 0.001  # ~1 KiB bucket caps: after the rebuild, a bucket per parameter or two
@@ -72,10 +72,53 @@ SCENARIOS = [
 WORLD_SIZES = (2, 3, 4)
 
 
+# -- hook chaining first: in one process, so a lost chaining fails in seconds ------------------
+
+
+def _hook_order(rank: int, fault: str | None) -> list[str]:
+    """Start and end of each bucket's hook in a many-bucket backward; each hook takes 50 ms."""
+    events: list[str] = []
+
+    def slow_hook(state, bucket):
+        events.append(f"start {bucket.index()}")
+        future = torch.futures.Future()
+        buffer = bucket.buffer()
+
+        def finish() -> None:
+            time.sleep(0.05)
+            events.append(f"done {bucket.index()}")
+            future.set_result(buffer)
+
+        threading.Thread(target=finish, daemon=True).start()
+        return future
+
+    with faults.injected(fault):
+        wrapper = OverlapDDP(models.build("transformer"), bucket_cap_mb=TINY)
+        wrapper.register_comm_hook(None, slow_hook)
+        for step in range(2):  # the second backward runs with the rebuilt, many-bucket layout
+            events.clear()
+            inputs, target = models.batch("transformer", rank, step)
+            models.loss_of(wrapper(inputs), target).backward()
+    return list(events)
+
+
+def test_hook_chains_run_one_bucket_at_a_time(one_rank):
+    """Bucket b's hook starts only after bucket b-1's future is done; without that, it can fail.
+
+    In the test process, on one rank: the order needs no peer, and a lost chaining fails here in
+    seconds, before the multi-rank hook tests it would make hang."""
+    order = _hook_order(0, None)
+    buckets = len(order) // 2
+    assert buckets >= 3
+    assert order == [f"{what} {b}" for b in range(buckets) for what in ("start", "done")]
+    unchained = _hook_order(0, "unchained_hooks")
+    assert sorted(unchained) == sorted(order) and unchained != order
+
+
 @functools.cache
 def outcomes(world_size: int) -> dict[Scenario, list[Outcome]]:
     """Every scenario for one world size in one process group, keyed for the tests below."""
-    return outcomes_by_scenario(world_size, SCENARIOS)
+    return outcomes_by_scenario(world_size, SCENARIOS, SLOW_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -162,33 +205,6 @@ def _both_fail(rank: int, make_state, hook, steps: int) -> dict[str, tuple[int, 
     return errors
 
 
-def _hook_order(rank: int, fault: str | None) -> list[str]:
-    """Start and end of each bucket's hook in a many-bucket backward; each hook takes 50 ms."""
-    events: list[str] = []
-
-    def slow_hook(state, bucket):
-        events.append(f"start {bucket.index()}")
-        future = torch.futures.Future()
-        buffer = bucket.buffer()
-
-        def finish() -> None:
-            time.sleep(0.05)
-            events.append(f"done {bucket.index()}")
-            future.set_result(buffer)
-
-        threading.Thread(target=finish, daemon=True).start()
-        return future
-
-    with faults.injected(fault):
-        wrapper = OverlapDDP(models.build("transformer"), bucket_cap_mb=TINY)
-        wrapper.register_comm_hook(None, slow_hook)
-        for step in range(2):  # the second backward runs with the rebuilt, many-bucket layout
-            events.clear()
-            inputs, target = models.batch("transformer", rank, step)
-            models.loss_of(wrapper(inputs), target).backward()
-    return list(events)
-
-
 def _faults_and_errors(rank: int, world_size: int) -> dict[str, object]:
     facts: dict[str, object] = {"faults": [run_scenario(rank, s) for s in FAULT_SCENARIOS]}
     facts["bad_results"] = {hook.__name__: _register_and_fail(rank, hook) for hook in BAD_RESULT_HOOKS}
@@ -198,14 +214,12 @@ def _faults_and_errors(rank: int, world_size: int) -> dict[str, object]:
         post_local_sgd.PostLocalSGDState, process_group=None, subgroup=None, start_localSGD_iter=2
     )
     facts["post_localsgd_no_subgroup"] = _both_fail(rank, local_sgd_state, post_local_sgd.post_localSGD_hook, 4)
-    facts["order"] = _hook_order(rank, None)
-    facts["order_unchained"] = _hook_order(rank, "unchained_hooks")
     return facts
 
 
 @functools.cache
 def facts_at_world_size_3() -> list[dict[str, object]]:
-    return run_ranks(3, _faults_and_errors)
+    return run_ranks(3, _faults_and_errors, timeout_s=SLOW_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("scenario", FAULT_SCENARIOS, ids=lambda s: s.name)
@@ -250,17 +264,6 @@ def test_post_localsgd_without_subgroup_fails_alike_on_cpu():
         ddp, ours = facts["post_localsgd_no_subgroup"]["ddp"], facts["post_localsgd_no_subgroup"]["ours"]
         assert ddp is not None and ours is not None
         assert ddp == ours and ddp[:2] == (2, "ValueError"), (ddp, ours)
-
-
-def test_hook_chains_run_one_bucket_at_a_time():
-    """Bucket b's hook starts only after bucket b-1's future is done; without that, it can fail."""
-    for facts in facts_at_world_size_3():
-        order = facts["order"]
-        buckets = len(order) // 2
-        assert buckets >= 3
-        assert order == [f"{what} {b}" for b in range(buckets) for what in ("start", "done")]
-        unchained = facts["order_unchained"]
-        assert sorted(unchained) == sorted(order) and unchained != order
 
 
 # -- registration checks, in one process ----------------------------------------------------

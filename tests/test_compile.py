@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
 from tests import models
-from tests.multiprocess import run_ranks
+from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
 
 
 def _compiled_parity(rank: int, world_size: int, outer: bool) -> list[bool]:
@@ -31,5 +31,5 @@ def _compiled_parity(rank: int, world_size: int, outer: bool) -> list[bool]:
 
 @pytest.mark.parametrize("outer", [False, True], ids=["OverlapDDP(compile(model))", "compile(OverlapDDP(model))"])
 def test_compiled_training_is_bit_equal_to_ddp_in_the_same_form(outer):
-    for rank, equal in enumerate(run_ranks(3, _compiled_parity, outer)):
+    for rank, equal in enumerate(run_ranks(3, _compiled_parity, outer, timeout_s=SLOW_TIMEOUT_S)):
         assert equal == [True] * 4, f"rank {rank}: {equal}"

@@ -81,6 +81,16 @@ def _guard_checks(rank: int, world_size: int) -> dict[str, object]:
     models.loss_of(model(inputs), target).backward()
     facts["step_after_synchronized_backward"] = _error_of(opt.step)
 
+    # A synchronized backward, then a no_sync one, then the first step: the later gradients were
+    # never reduced, although a reduction did happen since the last (here: no) step.
+    mixed = OverlapDDP(models.build("mlp"))
+    mixed_opt = torch.optim.SGD(mixed.parameters(), lr=0.1)
+    mixed.attach_optimizer(mixed_opt)
+    models.loss_of(mixed(inputs), target).backward()
+    with mixed.no_sync():
+        models.loss_of(mixed(inputs), target).backward()
+    facts["first_step_after_synchronized_then_no_sync"] = _error_of(mixed_opt.step)
+
     # Reading gradients from inside backward, while a bucket is being reduced.
     inside: dict[str, str] = {}
     first = next(model.module.parameters())  # the last gradient to become ready
@@ -137,6 +147,7 @@ def test_guarded_loop_with_grad_scaler_and_clipping_is_bit_equal_to_ddp():
         ("step_before_backward", "no synchronized backward has run yet"),
         ("second_step_same_gradients", "already used by the previous step"),
         ("step_after_no_sync_only", "accumulated under no_sync()"),
+        ("first_step_after_synchronized_then_no_sync", "accumulated under no_sync()"),
         ("step_during_backward", "are still being reduced"),
         ("zero_grad_during_backward", "optimizer.zero_grad() was called while buckets [0]"),
         ("unscale_during_backward", "GradScaler.unscale_() was called while buckets"),

@@ -162,6 +162,38 @@ def test_backward_of_an_unscaled_loss_with_a_scaler_attached_is_refused(one_rank
         models.loss_of(model(inputs), target).backward()
 
 
+def _overlap_with_an_ignored_parameter(rank: int, world_size: int) -> dict[str, list[bool]]:
+    """overlap=True with neither clipping nor loss scaling, and a parameter the wrapper ignores (no
+    bucket carries it): the optimizer still updates it, with its local gradient, as DDP then step() does."""
+    results = {}
+    for opt_name in ("sgd", "adam"):
+        pairs = []
+        for wrapper_class in (DistributedDataParallel, OverlapDDP):
+            net = models.build("mlp")
+            wrapper_class._set_params_and_buffers_to_ignore_for_model(net, ["0.bias"])
+            wrapper = wrapper_class(net, bucket_cap_mb=0.001)
+            opt = models.optimizer(opt_name, wrapper.parameters())
+            if wrapper_class is OverlapDDP:
+                wrapper.attach_optimizer(opt, overlap=True)
+            pairs.append((wrapper, opt))
+        equal = []
+        for step in range(4):
+            inputs, target = models.batch("mlp", rank, step)
+            for wrapper, opt in pairs:
+                models.loss_of(wrapper(inputs), target).backward()
+                opt.step()
+                opt.zero_grad()
+            (ddp, _), (ours, _) = pairs
+            equal.append(all(torch.equal(a, b) for a, b in zip(ddp.state_dict().values(), ours.state_dict().values())))
+        results[opt_name] = equal
+    return results
+
+
+def test_overlapped_updates_step_ignored_parameters_too_bit_equal_to_ddp_then_step():
+    for rank, results in enumerate(run_ranks(3, _overlap_with_an_ignored_parameter)):
+        assert results == {"sgd": [True] * 4, "adam": [True] * 4}, f"rank {rank}: {results}"
+
+
 def _split_optimizers_with_an_ignored_parameter(rank: int, world_size: int, clip: bool) -> list[bool]:
     """One scaler, two optimizers (only the body one overlapped), one parameter the wrapper ignores:
     each gradient is unscaled exactly once, by its own optimizer, as with DDP."""

@@ -10,7 +10,7 @@ import functools
 
 import pytest
 
-from tests.multiprocess import run_ranks
+from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
 from tests.parity import Outcome, Scenario, outcomes_by_scenario, run_scenarios
 
 FIND_UNUSED = (("find_unused_parameters", True),)
@@ -53,7 +53,7 @@ WORLD_SIZES = (2, 3, 4)
 @functools.cache
 def outcomes(world_size: int) -> dict[Scenario, list[Outcome]]:
     """Run every scenario once per world size (one process group), keyed for the tests below."""
-    return outcomes_by_scenario(world_size, SCENARIOS)
+    return outcomes_by_scenario(world_size, SCENARIOS, SLOW_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -99,7 +99,7 @@ FAULT_SCENARIOS = [
 
 @functools.cache
 def fault_outcomes() -> dict[Scenario, Outcome]:
-    per_rank = run_ranks(3, run_scenarios, FAULT_SCENARIOS)
+    per_rank = run_ranks(3, run_scenarios, FAULT_SCENARIOS, timeout_s=SLOW_TIMEOUT_S)
     return dict(zip(FAULT_SCENARIOS, per_rank[0]))
 
 

@@ -8,6 +8,7 @@ delayed so that the collective is still in flight when an unfenced reader would 
 from __future__ import annotations
 
 import functools
+import time
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from overlapddp import OverlapDDP
 from overlapddp.testing import SynchronousReference, delay_communication, unfenced
 from tests import models
-from tests.multiprocess import run_ranks
+from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
 
 REPETITIONS = 20
 STEPS = 3
@@ -68,7 +69,7 @@ def _repetitions(rank: int, world_size: int, mode: str, stage: str, cap: float |
 @functools.cache
 def outcomes(mode: str, stage: str, cap: float | None) -> list[dict[str, object]]:
     """Rank 0's view of every repetition (ranks agree on parameters; rank 0 is never delayed)."""
-    return run_ranks(2, _repetitions, mode, stage, cap)[0]
+    return run_ranks(2, _repetitions, mode, stage, cap, timeout_s=SLOW_TIMEOUT_S)[0]
 
 
 CASES = [("launch", None), ("launch", 0.001), ("completion", 0.001)]
@@ -100,6 +101,28 @@ def test_unfenced_run_shows_reads_before_completion_and_buffer_reuse_in_the_log(
     violations = [v for r in outcomes("unfenced", "launch", None) for v in r["violations"]]
     assert any("'consumed'" in v and "launched" in v for v in violations)
     assert any("buffer reused while the collective" in v for v in violations)
+
+
+PAUSE_S = 0.02
+
+
+def _slow_backward(rank: int, world_size: int) -> dict[str, list[bool]]:
+    """DDP and OverlapDDP side by side, with a pause after each of OverlapDDP's gradients arrives (a
+    slow backward): a bucket launched before its last gradient was copied in would be reduced, and
+    done, without that gradient, every time instead of only when the copy loses a race."""
+    results = {}
+    for cap in (None, 0.001):
+        ddp = DistributedDataParallel(models.build("mlp"), bucket_cap_mb=cap)
+        ours = OverlapDDP(models.build("mlp"), bucket_cap_mb=cap)
+        for p in ours.module.parameters():  # after the wrapper's own hooks, which copy in and launch
+            p.register_post_accumulate_grad_hook(lambda _: time.sleep(PAUSE_S))
+        results[f"cap={cap}"] = models.train_side_by_side("mlp", rank, STEPS, ddp, ours)
+    return results
+
+
+def test_slow_backward_changes_nothing_buckets_launch_only_once_complete():
+    for rank, results in enumerate(run_ranks(3, _slow_backward)):
+        assert results == {"cap=None": [True] * STEPS, "cap=0.001": [True] * STEPS}, f"rank {rank}: {results}"
 
 
 def test_unfenced_inside_a_delay_keeps_the_delay(one_rank):

@@ -14,7 +14,7 @@ import torch
 from overlapddp import OverlapDDP
 from overlapddp.testing import delay_communication
 from tests import models
-from tests.multiprocess import run_ranks
+from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
 
 
 def _rank_dies_mid_step(rank: int, world_size: int) -> dict[str, object]:
@@ -117,7 +117,7 @@ def test_randomly_lagging_ranks_change_nothing():
 
 @pytest.mark.slow
 def test_soak_500_steps_with_random_delays_on_random_ranks_stays_bit_equal_to_ddp():
-    for equal in run_ranks(3, _lagging, 11, "mlp", 500, 0.005):
+    for equal in run_ranks(3, _lagging, 11, "mlp", 500, 0.005, timeout_s=SLOW_TIMEOUT_S):
         assert equal == [True] * 500, f"first difference at step {equal.index(False)}"
 
 

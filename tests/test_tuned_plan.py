@@ -29,7 +29,7 @@ from overlapddp.tuned_plan import (
     tuned_plan,
 )
 from tests import models
-from tests.multiprocess import run_ranks
+from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
 
 STEPS = 6  # iteration 1: one bucket; 2-3: DDP's rebuilt layout, measured; 4-6: the tuned layout
 TUNED_FROM = 1 + plan_tuner.CALIBRATION_ITERATIONS  # index of the first step with the tuned layout
@@ -268,7 +268,7 @@ def _train(rank: int, world_size: int, own_plans: bool = False) -> dict[str, obj
 
 @functools.cache
 def trained(world_size: int) -> list[dict[str, object]]:
-    return run_ranks(world_size, _train)
+    return run_ranks(world_size, _train, timeout_s=SLOW_TIMEOUT_S)
 
 
 def test_tuned_plan_is_bit_equal_to_ddp_at_world_size_2_before_and_after_the_replan():
