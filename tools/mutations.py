@@ -1,0 +1,328 @@
+#!/usr/bin/env python3
+"""Mutation check: does the test suite catch realistic single bugs in overlapddp?
+
+Each mutation below is one bug a change to the reducer, the fence, the guard or the optimizer
+paths could plausibly introduce, written as an exact snippet of the package and its replacement.
+For each, the repository is copied to a scratch directory, the snippet is replaced there (it must
+occur exactly once, so the list cannot silently rot), and only the tests chosen to catch that bug
+run against the copy (``pytest -x -q``, ``PYTHONPATH`` set to the copy). A mutation is *killed*
+when a test fails and *survives* when they all pass. Outside CI; run it before ending any change
+to those paths::
+
+    python3 tools/mutations.py                 # every mutation, one at a time
+    python3 tools/mutations.py --jobs 2        # two at a time
+    python3 tools/mutations.py --only ready_order_not_broadcast
+    python3 tools/mutations.py --list          # names, files and tests, nothing run
+    python3 tools/mutations.py --baseline      # first run every selected test unmutated: all must pass
+
+Exit status 1 when a mutation survived, timed out or could not run, or a snippet no longer
+occurs exactly once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = "overlapddp"
+DEFAULT_TIMEOUT_S = 900  # per mutation; run_ranks fails a hung spawn well before this
+COPY_IGNORE = shutil.ignore_patterns(".git", "__pycache__", "*.egg-info", ".pytest_cache", "build", "dist", "img")
+
+READY_ORDER = "tests/test_ready_order.py::test_every_rank_uses_the_layout_built_from_rank_0s_ready_order"
+READY_VALUES = "tests/test_ready_order.py::test_ranks_with_different_ready_orders_stay_bit_equal_to_ddp"
+GUARD = "tests/test_guard.py::test_guard_raises_a_clear_error_naming_the_problem_and_rank"
+OVERLAP = "tests/test_optimizer_overlap.py"
+JOIN_WS2 = "tests/test_join.py::test_join_with_uneven_inputs_is_bit_equal_to_ddp_every_step_and_after[2]"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """One realistic bug: ``original`` (exactly once in ``path``) becomes ``replacement``."""
+
+    name: str
+    bug: str
+    path: str  # relative to the repository root
+    original: str
+    replacement: str
+    tests: tuple[str, ...]  # pytest node ids, cheapest first
+
+
+MUTATIONS = (
+    Mutation(
+        "ready_order_not_broadcast",
+        "each rank rebuilds its buckets from its own gradient-ready order, not rank 0's",
+        "overlapddp/reducer.py",
+        "            dist.broadcast(order, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)\n",
+        "",
+        (f"{READY_ORDER}[rank_ordered-sgd-cap0.001-3]", f"{READY_VALUES}[rank_ordered-sgd-cap0.001-3]"),
+    ),
+    Mutation(
+        "rebuild_skipped",
+        "the ready order is recorded and broadcast, but the buckets are never rebuilt from it",
+        "overlapddp/reducer.py",
+        "            self._adopt_plan(rebuilt_plan(self.params, self._sparse_gradient, self._caps, self._rebuilt_from))",
+        "            pass",
+        (f"{READY_ORDER}[rank_ordered-sgd-cap0.001-2]",),
+    ),
+    Mutation(
+        "scaling_skipped",
+        "gradients enter the buckets unscaled: the reduction sums instead of averaging",
+        "overlapddp/bucket_storage.py",
+        "                if multiply_by is not None:\n                    self.buffer.mul_(multiply_by)",
+        "                pass",
+        (f"{READY_VALUES}[rank_ordered-sgd-cap0.001-2]",),
+    ),
+    Mutation(
+        "copy_out_skipped",
+        "the reduced values are never copied into param.grad (each rank steps on its local gradient)",
+        "overlapddp/bucket_storage.py",
+        "                torch._foreach_copy_([self.params[i].grad for i in chosen], reduced)",
+        "                pass",
+        (f"{READY_VALUES}[rank_ordered-sgd-cap0.001-2]",),
+    ),
+    Mutation(
+        "wait_skipped",
+        "completing a bucket hands out its buffer without waiting for the collective",
+        "overlapddp/fence.py",
+        "        value = future.wait()",
+        "        value = self._buffers[bucket]",
+        ("tests/test_race.py::test_fenced_training_matches_ddp_and_synchronous_reference_every_step_every_repetition"
+         "[launch-None]",),
+    ),
+    Mutation(
+        "launch_before_last_copy_in",
+        "a bucket is launched when one gradient is still missing, before the bucket is copied in",
+        "overlapddp/reducer.py",
+        "while self._next_launch < len(self._storages) and self._pending[self._next_launch] == 0:",
+        "while self._next_launch < len(self._storages) and self._pending[self._next_launch] <= 1:",
+        ("tests/test_race.py::test_slow_backward_changes_nothing_buckets_launch_only_once_complete",),
+    ),
+    Mutation(
+        "hook_chaining_dropped",
+        "each bucket's comm hook starts as soon as the bucket is ready, not after the previous hook chain",
+        "overlapddp/reducer.py",
+        "        after = self._hook_future if chained else None",
+        "        after = None",
+        ("tests/test_comm_hooks.py::test_hook_chains_run_one_bucket_at_a_time",),
+    ),
+    Mutation(
+        "no_sync_guard_weakened",
+        "the guard refuses no_sync gradients only when no reduction ran since the last step",
+        "overlapddp/optimizer_guard.py",
+        "        if self._reducer.local_gradients_since_reduction:",
+        "        if self._reducer.local_gradients_since_reduction and self._reducer.reductions == self._stepped_at:",
+        (f"{GUARD}[first_step_after_synchronized_then_no_sync-accumulated under no_sync()]",),
+    ),
+    Mutation(
+        "guard_in_flight_check_removed",
+        "step() may read gradients while their buckets are still being reduced",
+        "overlapddp/optimizer_guard.py",
+        '        """Raise unless ``action`` may read the gradients now."""\n        busy = self._reducer.in_flight()',
+        '        """Raise unless ``action`` may read the gradients now."""\n        busy = []',
+        (f"{GUARD}[step_during_backward-are still being reduced]",),
+    ),
+    Mutation(
+        "guard_stale_check_removed",
+        "a second step() reuses the gradients the previous step already used",
+        "overlapddp/optimizer_guard.py",
+        "        if self._reducer.reductions == self._stepped_at:\n            raise RuntimeError(\n"
+        '                f"{action} would read stale',
+        "        if False:\n            raise RuntimeError(\n"
+        '                f"{action} would read stale',
+        (f"{GUARD}[second_step_same_gradients-already used by the previous step]",),
+    ),
+    Mutation(
+        "write_during_reduction_unchecked",
+        "a gradient changed while its bucket was reduced (clip inside backward) is silently overwritten",
+        "overlapddp/reducer.py",
+        "                    self._check_untouched(index)\n",
+        "",
+        (f"{GUARD}[clip_during_backward-were changed on rank]",),
+    ),
+    Mutation(
+        "no_sync_ignored",
+        "no_sync() leaves synchronization on: every micro-step is reduced",
+        "overlapddp/wrapper.py",
+        "        self.require_backward_grad_sync = False\n        try:",
+        "        try:",
+        (f"{GUARD}[step_after_no_sync_only-accumulated under no_sync()]",),
+    ),
+    Mutation(
+        "buffers_not_broadcast",
+        "forward no longer broadcasts rank 0's buffers (BatchNorm statistics drift apart)",
+        "overlapddp/wrapper.py",
+        "                self._broadcast_buffers(common_rank(self, True) if joining else 0)",
+        "                pass",
+        (JOIN_WS2,),
+    ),
+    Mutation(
+        "init_sync_skipped",
+        "the constructor does not broadcast rank 0's parameters and buffers",
+        "overlapddp/wrapper.py",
+        "            self._broadcast_state(0, with_buffers=init_sync_buffers)",
+        "            pass",
+        ("tests/test_wrapper.py::test_init_sync_broadcasts_rank0_parameters_and_buffers",),
+    ),
+    Mutation(
+        "unused_params_not_marked",
+        "find_unused_parameters: the parameters a forward did not use are never marked ready",
+        "overlapddp/reducer.py",
+        "            for unused in self._unused:\n                self._mark(unused)",
+        "            pass",
+        (JOIN_WS2,),
+    ),
+    Mutation(
+        "unused_grads_written",
+        "find_unused_parameters: gradients no rank produced are written (zeros) instead of left None",
+        "overlapddp/reducer.py",
+        "write = [self._globally_used(i) for i in self.plan.buckets[index]]",
+        "write = [True for i in self.plan.buckets[index]]",
+        ("tests/test_parity.py::test_parameters_and_buffers_equal_ddp_after_every_step"
+         "[branchy-sgd-default-find_unused_parameters=True-2]",),
+    ),
+    Mutation(
+        "join_divides_by_initial_world_size",
+        "under Join, gradients are averaged over all ranks even when told to count the remaining ones",
+        "overlapddp/reducer.py",
+        "        self._join_count = None if divide_by_initial_world_size else work",
+        "        self._join_count = None",
+        (JOIN_WS2,),
+    ),
+    Mutation(
+        "ignored_params_not_stepped",
+        "overlap=True without clipping or scaling never updates parameters the wrapper ignores",
+        "overlapddp/optimizer_overlap.py",
+        "            if outside:\n                self._update_bucket(outside)",
+        "            pass",
+        (f"{OVERLAP}::test_overlapped_updates_step_ignored_parameters_too_bit_equal_to_ddp_then_step",),
+    ),
+    Mutation(
+        "overlapped_update_before_copy_out",
+        "overlap=True updates a bucket's parameters before its reduced gradients are written",
+        "overlapddp/reducer.py",
+        "                    storage.copy_out(result, write, as_view=self.options.gradient_as_bucket_view)\n"
+        '                    self._fence.consumed(index, "copy to param.grad")\n'
+        "                if self.after_bucket_reduced is not None:\n"
+        "                    self.after_bucket_reduced(storage.params)\n",
+        "                    if self.after_bucket_reduced is not None:\n"
+        "                        self.after_bucket_reduced(storage.params)\n"
+        "                    storage.copy_out(result, write, as_view=self.options.gradient_as_bucket_view)\n"
+        '                    self._fence.consumed(index, "copy to param.grad")\n',
+        (f"{OVERLAP}::test_overlapped_updates_are_bit_equal_to_ddp_then_step[2]",),
+    ),
+    Mutation(
+        "overlapped_updates_ignore_the_scaler",
+        "overlap=True with a GradScaler updates each bucket before the scaler has seen every gradient",
+        "overlapddp/optimizer_overlap.py",
+        "        return self.max_grad_norm is not None or self._unscaler is not None",
+        "        return self.max_grad_norm is not None",
+        (f"{OVERLAP}::test_overlapped_loss_scaling_is_bit_equal_to_unscale_clip_then_scaler_step[None]",),
+    ),
+)
+
+
+def snippet_problems(root: Path = REPO) -> list[str]:
+    """Each mutation whose snippet does not occur exactly once in its file, described."""
+    problems = []
+    for mutation in MUTATIONS:
+        if not mutation.path.startswith(f"{PACKAGE}/"):
+            problems.append(f"{mutation.name}: {mutation.path} is outside the package")
+            continue
+        text = (root / mutation.path).read_text()
+        count = text.count(mutation.original)
+        if count != 1:
+            problems.append(f"{mutation.name}: its snippet occurs {count} times in {mutation.path}, expected once")
+    return problems
+
+
+def _pytest(scratch: Path, tests: tuple[str, ...], timeout_s: float) -> tuple[str, str, float]:
+    """Run ``tests`` against ``scratch``: (status, the first failure or last line, seconds)."""
+    env = dict(os.environ, PYTHONPATH=str(scratch))
+    command = [sys.executable, "-m", "pytest", "-x", "-q", *tests]
+    started = time.monotonic()
+    try:
+        done = subprocess.run(command, cwd=scratch, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return "timeout", f"no result within {timeout_s:g} s", time.monotonic() - started
+    seconds = time.monotonic() - started
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+    said = failed[0] if failed else (lines[-1] if lines else done.stderr.strip()[-300:])
+    status = {0: "passed", 1: "failed"}.get(done.returncode, f"error (pytest exit code {done.returncode})")
+    return status, said, seconds
+
+
+def run_mutation(mutation: Mutation | None, tests: tuple[str, ...], timeout_s: float) -> tuple[str, str, float]:
+    """Apply ``mutation`` (None: none) in a scratch copy of the repository and run ``tests`` there."""
+    with tempfile.TemporaryDirectory(prefix="overlapddp-mutant-") as scratch:
+        copy = Path(scratch) / "repo"
+        shutil.copytree(REPO, copy, ignore=COPY_IGNORE)
+        if mutation is not None:
+            target = copy / mutation.path
+            text = target.read_text()
+            if text.count(mutation.original) != 1:
+                return "error (snippet not found exactly once)", mutation.path, 0.0
+            target.write_text(text.replace(mutation.original, mutation.replacement))
+        return _pytest(copy, tests, timeout_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", action="append", metavar="NAME", help="run only this mutation (repeatable)")
+    parser.add_argument("--jobs", type=int, default=1, help="mutations run at the same time (default 1)")
+    parser.add_argument("--list", action="store_true", help="list the mutations and their tests; run nothing")
+    parser.add_argument("--baseline", action="store_true", help="first check every selected test passes unmutated")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per mutation")
+    args = parser.parse_args(argv)
+
+    known = {m.name: m for m in MUTATIONS}
+    unknown = [name for name in args.only or [] if name not in known]
+    if unknown:
+        parser.error(f"unknown mutation(s) {', '.join(unknown)}; --list shows them")
+    selected = [known[name] for name in args.only] if args.only else list(MUTATIONS)
+    if args.list:
+        for m in selected:
+            print(f"{m.name}: {m.bug}\n  {m.path}\n  " + "\n  ".join(m.tests))
+        return 0
+    problems = snippet_problems()
+    for problem in problems:
+        print(f"STALE {problem}")
+    if problems:
+        return 1
+
+    if args.baseline:
+        tests = tuple(dict.fromkeys(t for m in selected for t in m.tests))
+        status, said, seconds = run_mutation(None, tests, args.timeout * 2)
+        print(f"baseline: {status} in {seconds:.0f} s: {said}", flush=True)
+        if status != "passed":
+            return 1
+
+    def one(mutation: Mutation) -> tuple[Mutation, str, str, float]:
+        status, said, seconds = run_mutation(mutation, mutation.tests, args.timeout)
+        verdict = {"failed": "killed", "passed": "SURVIVED"}.get(status, status.upper())
+        print(f"{verdict:8} {mutation.name} ({seconds:.0f} s): {said}", flush=True)
+        return mutation, verdict, said, seconds
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        results = list(pool.map(one, selected))
+    killed = [m.name for m, verdict, _, _ in results if verdict == "killed"]
+    others = [f"{m.name} ({verdict})" for m, verdict, _, _ in results if verdict != "killed"]
+    print(
+        f"\n{len(killed)}/{len(results)} mutations killed in {time.monotonic() - started:.0f} s"
+        + (f"; not killed: {', '.join(others)}" if others else "")
+    )
+    return 0 if not others else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
