@@ -3,8 +3,9 @@
 The parent owns a TCPStore on port 0 (the OS picks a free port) and hands its port to the ranks,
 so concurrent runs never collide. Each rank uses one intra-op thread.
 
-A run that deadlocks fails within ``timeout_s`` (default ``DEFAULT_TIMEOUT_S``, well under a CI
-harness's limit) naming the test, the ranks that did not finish, where each of them hung (their
+A run that deadlocks fails ``timeout_s`` after every rank joined the process group (default
+``DEFAULT_TIMEOUT_S``, well under a CI harness's limit; starting up has its own limit, since
+spawning and importing torch is slow on a loaded machine) naming the test, the ranks that did not finish, where each of them hung (their
 Python stacks, dumped on request by ``faulthandler``) and what the finished ranks returned. On a
 slow machine ``OVERLAPDDP_TEST_TIMEOUT_SCALE`` (e.g. ``2``) stretches every such timeout.
 """
@@ -27,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 180
+STARTUP_TIMEOUT_S = 120  # from spawning until every rank has joined the process group
 # For the few spawns that run many checks (a whole parity matrix, a soak, torch.compile): still
 # under a 600 s harness limit, and enough for them on two cores shared with other work.
 SLOW_TIMEOUT_S = 540
@@ -49,6 +51,7 @@ def _rank_main(
             dist.init_process_group(
                 "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
             )
+            results.put((rank, "started", None))  # the run's own timeout counts from here
             try:
                 results.put((rank, "ok", target(rank, world_size, *args)))
             finally:
@@ -73,8 +76,8 @@ def run_ranks(
     """Run ``target(rank, world_size, *args)`` on every rank; return the results in rank order.
 
     Raises with every failing rank's traceback; with the ranks that exited without a result; or,
-    once ``timeout_s`` (scaled, see the module docstring) has passed, with the ranks that hung and
-    their stacks. Ranks in ``dying`` are expected to exit without a result (their entry is None).
+    ``timeout_s`` (scaled, see the module docstring) after every rank started, with the ranks that
+    hung and their stacks. Ranks in ``dying`` are expected to exit without a result (their entry is None).
     """
     limit = scaled_timeout(timeout_s)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -112,39 +115,50 @@ def _collect(
     procs: list[Any], results: Any, world_size: int, dying: frozenset[int], limit: float
 ) -> tuple[dict[int, tuple[str, Any]], str | None]:
     """Gather each rank's (status, value) until all expected ranks answered, one exited silently,
-    or ``limit`` seconds passed; returns what was gathered and, if the run did not complete, why."""
+    or ``limit`` seconds passed since all had started; returns what was gathered and, if the run
+    did not complete, why."""
     collected: dict[int, tuple[str, Any]] = {}
+    started: set[int] = set()
     expected = set(range(world_size)) - set(dying)
-    deadline = time.monotonic() + limit
+    startup_limit = scaled_timeout(STARTUP_TIMEOUT_S)
+    startup_deadline = time.monotonic() + startup_limit
+    deadline: float | None = None
     while not expected <= set(collected):
-        try:
-            rank, status, value = results.get(timeout=0.5)
-            collected[rank] = (status, value)
+        if _receive(results, started, collected, 0.5):
             continue
-        except queue.Empty:
-            pass
+        if deadline is None and all(r in started or procs[r].exitcode is not None for r in range(world_size)):
+            deadline = time.monotonic() + limit
         silent = [r for r in sorted(expected - set(collected)) if procs[r].exitcode is not None]
         if silent:
-            _drain(results, collected, 1.0)  # a result still in the pipe of a rank that just exited
+            while _receive(results, started, collected, 1.0):  # a result still in the pipe of a rank that just exited
+                pass
             silent = [r for r in silent if r not in collected]
             if silent:
                 codes = ", ".join(f"rank {r}: exit code {procs[r].exitcode}" for r in silent)
                 return collected, f"ranks {silent} exited without a result ({codes})"
-        if time.monotonic() > deadline:
-            _drain(results, collected, 0.1)
+        if deadline is None and time.monotonic() > startup_deadline:
+            late = sorted(set(range(world_size)) - started)
+            return collected, f"ranks {late} did not join the process group within {startup_limit:g} s"
+        if deadline is not None and time.monotonic() > deadline:
+            while _receive(results, started, collected, 0.1):
+                pass
             missing = sorted(expected - set(collected))
             if missing:
                 return collected, f"ranks {missing} did not finish within {limit:g} s"
     return collected, None
 
 
-def _drain(results: Any, collected: dict[int, tuple[str, Any]], wait_s: float) -> None:
+def _receive(results: Any, started: set[int], collected: dict[int, tuple[str, Any]], wait_s: float) -> bool:
+    """Take one message from the ranks, if one comes within ``wait_s``; returns whether one came."""
     try:
-        while True:
-            rank, status, value = results.get(timeout=wait_s)
-            collected[rank] = (status, value)
+        rank, status, value = results.get(timeout=wait_s)
     except queue.Empty:
-        return
+        return False
+    if status == "started":
+        started.add(rank)
+    else:
+        collected[rank] = (status, value)
+    return True
 
 
 def _report(
