@@ -5,9 +5,10 @@ so concurrent runs never collide. Each rank uses one intra-op thread.
 
 A run that deadlocks fails ``timeout_s`` after every rank joined the process group (default
 ``DEFAULT_TIMEOUT_S``, well under a CI harness's limit; starting up has its own limit, since
-spawning and importing torch is slow on a loaded machine) naming the test, the ranks that did not finish, where each of them hung (their
-Python stacks, dumped on request by ``faulthandler``) and what the finished ranks returned. On a
-slow machine ``OVERLAPDDP_TEST_TIMEOUT_SCALE`` (e.g. ``2``) stretches every such timeout.
+spawning and importing torch is slow on a loaded machine), naming the test, the ranks that did
+not finish, where each of them hung (their Python stacks, dumped on request by ``faulthandler``)
+and what the finished ranks returned. On a slow machine ``OVERLAPDDP_TEST_TIMEOUT_SCALE`` (e.g.
+``2``) stretches every such timeout.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ def _collect(
             deadline = time.monotonic() + limit
         silent = [r for r in sorted(expected - set(collected)) if procs[r].exitcode is not None]
         if silent:
-            while _receive(results, started, collected, 1.0):  # a result still in the pipe of a rank that just exited
+            while _receive(results, started, collected, 1.0):  # a result still in an exited rank's pipe
                 pass
             silent = [r for r in silent if r not in collected]
             if silent:

@@ -61,7 +61,8 @@ MUTATIONS = (
         "ready_order_not_broadcast",
         "each rank rebuilds its buckets from its own gradient-ready order, not rank 0's",
         "overlapddp/reducer.py",
-        "            dist.broadcast(order, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)\n",
+        "            dist.broadcast(order, src=dist.get_global_rank(self.process_group, 0), "
+        "group=self.process_group)\n",
         "",
         (f"{READY_ORDER}[rank_ordered-sgd-cap0.001-3]", f"{READY_VALUES}[rank_ordered-sgd-cap0.001-3]"),
     ),
@@ -69,7 +70,8 @@ MUTATIONS = (
         "rebuild_skipped",
         "the ready order is recorded and broadcast, but the buckets are never rebuilt from it",
         "overlapddp/reducer.py",
-        "            self._adopt_plan(rebuilt_plan(self.params, self._sparse_gradient, self._caps, self._rebuilt_from))",
+        "            self._adopt_plan(rebuilt_plan(self.params, self._sparse_gradient, self._caps, "
+        "self._rebuilt_from))",
         "            pass",
         (f"{READY_ORDER}[rank_ordered-sgd-cap0.001-2]",),
     ),
