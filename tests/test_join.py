@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
 from tests import faults, models
-from tests.multiprocess import run_ranks
+from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
 
 BASE_STEPS = 3
 CASES = [
@@ -51,7 +51,7 @@ def _compare(rank: int, world_size: int, cases=CASES, fault: str | None = None) 
 
 @functools.cache
 def outcomes(world_size: int) -> list[dict[str, list[bool]]]:
-    return run_ranks(world_size, _compare)
+    return run_ranks(world_size, _compare, timeout_s=SLOW_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("world_size", (2, 3, 4))

@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
 from tests import models
-from tests.multiprocess import run_ranks
+from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
 
 OPTIMIZERS = {
     "sgd_momentum_wd_nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-2, nesterov=True),
@@ -75,7 +75,7 @@ def _skipping_last(model: OverlapDDP, update):
 
 @functools.cache
 def outcomes(world_size: int, max_norm: float | None = None, scaled: bool = False):
-    return run_ranks(world_size, _compare, False, max_norm, scaled)
+    return run_ranks(world_size, _compare, False, max_norm, scaled, timeout_s=SLOW_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("world_size", (2, 3))
@@ -100,13 +100,13 @@ def test_overlapped_loss_scaling_is_bit_equal_to_unscale_clip_then_scaler_step(m
 
 
 def test_comparison_catches_updates_that_ignore_an_infinite_gradient():
-    for results in run_ranks(3, _compare, False, None, True, True):
+    for results in run_ranks(3, _compare, False, None, True, True, timeout_s=SLOW_TIMEOUT_S):
         for case, equal in results.items():
             assert equal[:INF_STEP] == [True] * INF_STEP and not any(equal[INF_STEP:]), (case, equal)
 
 
 def test_comparison_catches_a_lost_bucket_update():
-    for results in run_ranks(3, _compare, True):
+    for results in run_ranks(3, _compare, True, timeout_s=SLOW_TIMEOUT_S):
         assert not any(all(equal) for equal in results.values())
 
 

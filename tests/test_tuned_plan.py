@@ -302,7 +302,7 @@ def test_at_world_size_3_replicas_stay_identical_and_follow_ddp_closely():
 
 
 def test_ranks_adopting_their_own_plans_are_caught():
-    per_rank = run_ranks(2, _train, True)
+    per_rank = run_ranks(2, _train, True, timeout_s=SLOW_TIMEOUT_S)
     for model_name in per_rank[0]:
         assert any(len(b) > 1 for b in per_rank[0][model_name]["layouts"][-1]), "the fault needs a shared bucket"
         assert all(r[model_name]["equal"][:TUNED_FROM] for r in per_rank)
@@ -336,7 +336,7 @@ def _resume(rank: int, world_size: int) -> bool:
 
 
 def test_a_tuned_checkpoint_resumes_with_the_same_layout_and_bits():
-    assert run_ranks(3, _resume) == [True] * 3
+    assert run_ranks(3, _resume, timeout_s=SLOW_TIMEOUT_S) == [True] * 3
 
 
 def _powersgd_over_the_tuned_plan(rank: int, world_size: int) -> str:
