@@ -41,6 +41,7 @@ READY_ORDER = "tests/test_ready_order.py::test_every_rank_uses_the_layout_built_
 READY_VALUES = "tests/test_ready_order.py::test_ranks_with_different_ready_orders_stay_bit_equal_to_ddp"
 GUARD = "tests/test_guard.py::test_guard_raises_a_clear_error_naming_the_problem_and_rank"
 OVERLAP = "tests/test_optimizer_overlap.py"
+HANDED_OVER = "tests/test_race.py::test_each_collective_is_handed_the_complete_bucket_as_in_ddp"
 JOIN_WS2 = "tests/test_join.py::test_join_with_uneven_inputs_is_bit_equal_to_ddp_every_step_and_after[2]"
 
 
@@ -106,7 +107,29 @@ MUTATIONS = (
         "overlapddp/reducer.py",
         "while self._next_launch < len(self._storages) and self._pending[self._next_launch] == 0:",
         "while self._next_launch < len(self._storages) and self._pending[self._next_launch] <= 1:",
-        ("tests/test_race.py::test_slow_backward_changes_nothing_buckets_launch_only_once_complete",),
+        (HANDED_OVER,),
+    ),
+    Mutation(
+        "launch_before_copy_in",
+        "a complete bucket's collective starts before its gradients are copied into its buffer",
+        "overlapddp/reducer.py",
+        "        if self._pending[bucket] == 0:\n"
+        "            self._fill(bucket)\n"
+        "        while self._next_launch < len(self._storages) and self._pending[self._next_launch] == 0:\n"
+        "            if not self._skipped(self._next_launch):\n"
+        "                self._launch(self._next_launch)\n"
+        "            self._next_launch += 1\n"
+        "            if self._next_launch == len(self._storages) and self._dynamic_unused:\n"
+        "                self._usage.launch_reduction(self.process_group)\n",
+        "        while self._next_launch < len(self._storages) and self._pending[self._next_launch] == 0:\n"
+        "            if not self._skipped(self._next_launch):\n"
+        "                self._launch(self._next_launch)\n"
+        "            self._next_launch += 1\n"
+        "            if self._next_launch == len(self._storages) and self._dynamic_unused:\n"
+        "                self._usage.launch_reduction(self.process_group)\n"
+        "        if self._pending[bucket] == 0:\n"
+        "            self._fill(bucket)\n",
+        (HANDED_OVER,),
     ),
     Mutation(
         "hook_chaining_dropped",
