@@ -37,7 +37,7 @@ STARTUP_TIMEOUT_S = 300
 SLOW_TIMEOUT_S = 540
 TIMEOUT_SCALE_ENV = "OVERLAPDDP_TEST_TIMEOUT_SCALE"
 _STACK_SIGNAL = getattr(signal, "SIGUSR1", None)  # POSIX only; elsewhere no stacks are dumped
-_STACK_WAIT_S = 2.0  # how long a hung rank gets to write its stacks before it is killed
+_STACK_WAIT_S = 10.0  # at most this long for a hung rank to write its stacks before it is killed
 
 
 def _rank_main(
@@ -61,6 +61,9 @@ def _rank_main(
                 dist.destroy_process_group()
         except BaseException:
             results.put((rank, "error", traceback.format_exc()))
+        finally:
+            if _STACK_SIGNAL is not None:
+                faulthandler.unregister(_STACK_SIGNAL)  # before its file closes
 
 
 def scaled_timeout(timeout_s: float) -> float:
@@ -173,18 +176,25 @@ def _report(
     if _STACK_SIGNAL is not None:
         for r in hung:
             os.kill(procs[r].pid, _STACK_SIGNAL)
-        time.sleep(_STACK_WAIT_S if hung else 0)
+        deadline = time.monotonic() + _STACK_WAIT_S
+        while time.monotonic() < deadline and not all(_written(stack_files[r]) for r in hung):
+            time.sleep(0.1)
+        time.sleep(0.2 if hung else 0)  # a stack is written in several pieces
     for r in hung:
         procs[r].kill()
     test = os.environ.get("PYTEST_CURRENT_TEST", "?").removesuffix(" (call)")
     lines = [f"{test}: {problem}"]
     for r in hung:
-        stacks = Path(stack_files[r]).read_text() if Path(stack_files[r]).exists() else ""
+        stacks = Path(stack_files[r]).read_text() if _written(stack_files[r]) else ""
         lines.append(f"--- rank {r} hung here:\n{stacks.strip() or '(no stack was written)'}")
     for r, (status, value) in sorted(collected.items()):
         said = value if status == "error" else _short(repr(value))
         lines.append(f"--- rank {r} finished ({status}):\n{said}")
     return "\n".join(lines)
+
+
+def _written(path: str) -> bool:
+    return Path(path).exists() and Path(path).stat().st_size > 0
 
 
 def _short(text: str, limit: int = 2000) -> str:
