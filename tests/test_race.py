@@ -131,8 +131,8 @@ def _handed_to_collectives(rank: int, world_size: int) -> dict[str, str | None]:
                 seen.append((-1, torch.tensor([float(len(str(error)))])))
         ddp, ours = records["DistributedDataParallel"], records["OverlapDDP"]
         differences[f"cap={cap}"] = next(
-            (f"collective {n}: bucket {a[0]} vs {b[0]}" for n, (a, b) in enumerate(zip(ddp, ours))
-             if a[0] != b[0] or not torch.equal(a[1], b[1])),
+            (f"collective {n}: DDP's bucket {a[0]}, OverlapDDP's bucket {b[0]}, other values"
+             for n, (a, b) in enumerate(zip(ddp, ours)) if a[0] != b[0] or not torch.equal(a[1], b[1])),
             None if len(ddp) == len(ours) else f"{len(ddp)} collectives vs {len(ours)}",
         )
     return differences
