@@ -26,6 +26,7 @@ from overlapddp.comm_hook import Bucket, CommHook, allreduce_sum, hook_result, i
 from overlapddp.fence import Fence
 from overlapddp.param_usage import UsageMap, grad_accumulators, unreachable
 from overlapddp.plan_tuner import CALIBRATION_ITERATIONS, PlanTuner
+from overlapddp.sparse_reduction import SparseBucketStorage
 from overlapddp.token_weighting import TokenCount
 
 
@@ -137,10 +138,14 @@ class Reducer:
         self.plan = plan
         located = plan.locate()
         self._locate = [located[i][0] for i in range(len(self.params))]
-        self._storages = [
-            BucketStorage(b, [self.params[i] for i in members]) for b, members in enumerate(plan.buckets)
-        ]
+        self._storages = [self._new_storage(b, members) for b, members in enumerate(plan.buckets)]
         self._reset_iteration()
+
+    def _new_storage(self, index: int, members: Sequence[int]) -> BucketStorage | SparseBucketStorage:
+        """A flat buffer, or for a parameter that expects a sparse gradient its own gradient (sparse_reduction.py)."""
+        if self._sparse_gradient[members[0]]:
+            return SparseBucketStorage(index, [self.params[members[0]]], self.names[members[0]])
+        return BucketStorage(index, [self.params[i] for i in members])
 
     def _reset_iteration(self) -> None:
         self._pending = [len(members) for members in self.plan.buckets]
@@ -537,7 +542,7 @@ class Reducer:
         not finite, naming those ranks and parameters (one extra all-reduce per bucket; a debug option)."""
         storage = self._storages[index]
         bad = [self.names[i] for i, p in zip(self.plan.buckets[index], storage.params)
-               if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+               if p.grad is not None and not bool(torch.isfinite(_values(p.grad)).all())]
         count = torch.tensor([len(bad)], device=storage.buffer.device)
         dist.all_reduce(count, group=self.process_group)
         if count.item() == 0:
@@ -574,8 +579,7 @@ class Reducer:
         """Drop an unfinished iteration; buckets that may still be written by a collective get new storage."""
         dropped = self._fence.abandon()
         for index in dropped:
-            members = self.plan.buckets[index]
-            self._storages[index] = BucketStorage(index, [self.params[i] for i in members])
+            self._storages[index] = self._new_storage(index, self.plan.buckets[index])
         self._require_finalize = False
         self._ready_order = []
         self._taken = {}
@@ -585,6 +589,11 @@ class Reducer:
             self._usage.reset()
         self._reset_iteration()
         self.state = ReducerState.IDLE
+
+
+def _values(grad: torch.Tensor) -> torch.Tensor:
+    """The stored values of a dense or sparse gradient."""
+    return grad._values() if grad.is_sparse else grad
 
 
 def _qualname(hook: object) -> str:

@@ -129,13 +129,8 @@ class OverlapDDP(nn.Module, Joinable):
             verify_same_parameters(names, params, self.process_group)
             self._broadcast_state(0, with_buffers=init_sync_buffers)
 
-        sparse = [False] * len(params)
-        for module_name, sub in module.named_modules():
-            if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
-                raise NotImplementedError(
-                    f"OverlapDDP does not reduce sparse gradients yet ({module_name} has sparse=True); "
-                    "use sparse=False."
-                )
+        sparse = _expects_sparse_gradient(module, params)
+        self._sparse_names = [n for n, s in zip(names, sparse) if s]
         if static_graph and find_unused_parameters:
             warnings.warn(
                 "You passed find_unused_parameters=true to OverlapDDP with static_graph enabled; with a "
@@ -149,6 +144,12 @@ class OverlapDDP(nn.Module, Joinable):
             raise NotImplementedError(
                 "bucket_plan='tuned' times each bucket's collective from the host, which CUDA collectives do "
                 "not report (NCCL's future completes at enqueue); use bucket_plan='ddp' on GPUs for now."
+            )
+        if bucket_plan == "tuned" and any(sparse):
+            raise ValueError(
+                "bucket_plan='tuned' groups gradients into flat buffers, but "
+                f"{', '.join(self._sparse_names)} produce sparse gradients, which DDP's layout "
+                "keeps alone in their buckets; use bucket_plan='ddp'."
             )
         if bucket_plan == "tuned" and find_unused_parameters and not static_graph:
             raise ValueError(
@@ -281,6 +282,11 @@ class OverlapDDP(nn.Module, Joinable):
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Reduce each bucket with ``hook(state, bucket)``; the stock DDP hooks run unmodified."""
         check_comm_hook(hook, self.process_group)
+        if isinstance(state, PowerSGDState) and self._sparse_names:
+            raise ValueError(
+                f"PowerSGD compresses flat dense buckets, but {', '.join(self._sparse_names)} produce sparse "
+                "gradients (stock DDP hangs here); use sparse=False for them or another hook."
+            )
         if self._reducer.options.tuned_plan:
             _check_per_bucket_state(state, self._reducer.final_layout_iteration)
         self._reducer.set_comm_hook(state, hook)
@@ -419,6 +425,18 @@ def _resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any | N
             "OverlapDDP needs torch.distributed: call dist.init_process_group(...) first, or pass process_group."
         )
     return dist.group.WORLD
+
+
+def _expects_sparse_gradient(module: nn.Module, params: list[torch.Tensor]) -> list[bool]:
+    """Per parameter, DDP's ``expect_sparse_gradient``: the first module that owns it is an
+    ``Embedding`` or ``EmbeddingBag`` built with ``sparse=True``."""
+    owner: dict[int, nn.Module] = {}
+    for sub in module.modules():
+        for param in sub.parameters(recurse=False):
+            owner.setdefault(id(param), sub)
+    return [
+        isinstance(owner.get(id(p)), (nn.Embedding, nn.EmbeddingBag)) and bool(owner[id(p)].sparse) for p in params
+    ]
 
 
 def _check_parameters(named: list[tuple[str, torch.Tensor]], trainable: list[tuple[str, torch.Tensor]]) -> None:
