@@ -23,6 +23,7 @@ import torch.distributed as dist
 from overlapddp.bucket_plan import BucketCaps, BucketPlan, explicit_plan, initial_plan, rebuilt_plan
 from overlapddp.bucket_storage import BucketStorage
 from overlapddp.comm_hook import Bucket, CommHook, allreduce_sum, hook_result, is_unchained, run_hook
+from overlapddp.delayed_reduction import DelayedReduction
 from overlapddp.fence import Fence
 from overlapddp.param_usage import UsageMap, grad_accumulators, unreachable
 from overlapddp.plan_tuner import CALIBRATION_ITERATIONS, PlanTuner
@@ -93,6 +94,8 @@ class Reducer:
         # later buckets may still be reducing: the overlapped optimizer's per-bucket update.
         self.after_bucket_reduced: Callable[[list[torch.Tensor]], None] | None = None
         self.after_all_reduced: Callable[[], None] | None = None  # once, when every bucket is written
+        # delay_all_reduce_named_params: launched by launch_delayed, completed in finalize (set by the wrapper).
+        self.delayed: DelayedReduction | None = None
         self._ready_order: list[int] = []
         self._rebuilt_from: list[int] = []  # rank 0's ready order the current plan was built from
         # True from the first mark_ready of a backward until finalize: an unfinished reduction.
@@ -362,6 +365,12 @@ class Reducer:
         unused = set(self._unused)
         return all(i in unused for i in self.plan.buckets[bucket])
 
+    def launch_delayed(self) -> None:
+        """``param_to_hook_all_reduce`` has its gradient: start the delayed all-reduce, once per
+        synchronized backward (finalize completes it, or starts it if this never ran)."""
+        if self.state is ReducerState.BACKWARD and not self.delayed.launched:
+            self.delayed.launch(self._fence)
+
     def reduce_learned_graph(self) -> None:
         """Static graph, end of the first backward: learn who is unused, then reduce everything."""
         self._usage.launch_reduction(self.process_group)
@@ -490,6 +499,8 @@ class Reducer:
                     self.after_bucket_reduced(storage.params)
                 if measuring:
                     self._tuner.bucket_finalized(time.perf_counter() - reduced_at)
+            if self.delayed is not None:
+                self.delayed.finish(self._fence)
             if self._usage is not None:
                 self._usage.settle()
             if self.after_all_reduced is not None:
@@ -579,7 +590,10 @@ class Reducer:
         """Drop an unfinished iteration; buckets that may still be written by a collective get new storage."""
         dropped = self._fence.abandon()
         for index in dropped:
-            self._storages[index] = self._new_storage(index, self.plan.buckets[index])
+            if index >= 0:  # the delayed all-reduce (a negative key) renews its own buffer
+                self._storages[index] = self._new_storage(index, self.plan.buckets[index])
+        if self.delayed is not None:
+            self.delayed.abandon()
         self._require_finalize = False
         self._ready_order = []
         self._taken = {}

@@ -23,6 +23,7 @@ from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 from overlapddp.bucket_plan import BucketCaps
 from overlapddp.comm_hook import CommHook
 from overlapddp.comm_hook_validation import builtin_hook, check_comm_hook
+from overlapddp.delayed_reduction import DelayedReduction
 from overlapddp.fence import FenceLog, fence_for
 from overlapddp.join import OverlapJoinHook, announce_backward_sync, common_rank
 from overlapddp.module_sync import broadcast_coalesced, verify_same_parameters
@@ -33,8 +34,6 @@ from overlapddp.reducer import Reducer, ReducerOptions
 
 # Arguments this version rejects when set (to anything but None/False), with what to do instead.
 _NOT_YET = {
-    "delay_all_reduce_named_params": "let all parameters be reduced in buckets",
-    "param_to_hook_all_reduce": "let all parameters be reduced in buckets",
     "mixed_precision": "cast the model yourself, or register fp16_compress_hook",
 }
 # "ddp": DDP's exact layout (bit-equal at every world size); "tuned": sized from a measured backward
@@ -109,9 +108,17 @@ class OverlapDDP(nn.Module, Joinable):
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True  # set by join(); read by forward under Join
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        # As in DDP, the delayed parameters leave the buckets (and the init sync) like ignored ones.
+        delayed = _delayed_parameters(module, delay_all_reduce_named_params, param_to_hook_all_reduce)
+        self.parameters_to_ignore |= {name for name, _ in delayed}
 
         named = [(n, p) for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
         trainable = [(n, p) for n, p in named if p.requires_grad]
+        if delayed and not trainable:
+            raise NotImplementedError(
+                "Every parameter that requires grad is in delay_all_reduce_named_params; OverlapDDP completes the "
+                "delayed all-reduce at the end of its buckets' backward, so leave at least one parameter out of it."
+            )
         _check_parameters(named, trainable)
         self.device = trainable[0][1].device
         self.device_type = self.device.type
@@ -125,6 +132,10 @@ class OverlapDDP(nn.Module, Joinable):
 
         names = [n for n, _ in trainable]
         params = [p for _, p in trainable]
+        self._delayed = None
+        if delayed:  # broadcast from rank 0 whatever init_sync says, as DDP does
+            self._delayed = DelayedReduction([p for _, p in delayed], [n for n, _ in delayed], self.process_group)
+            broadcast_coalesced([p.detach() for _, p in delayed], 0, self.process_group)
         if init_sync:
             verify_same_parameters(names, params, self.process_group)
             self._broadcast_state(0, with_buffers=init_sync_buffers)
@@ -167,6 +178,9 @@ class OverlapDDP(nn.Module, Joinable):
         )
         self._reducer = Reducer(params, names, self.process_group, fence_for(self.device), caps, sparse, options)
         self._hook_handles = _register_ready_hooks(self._reducer, params)
+        if self._delayed is not None:
+            self._reducer.delayed = self._delayed
+            self._hook_handles += _register_delayed_hooks(self._reducer, self._delayed, param_to_hook_all_reduce)
         self._comm_hooks: list[tuple[Callable, object]] = []
 
     # -- forward ------------------------------------------------------------------------------
@@ -389,6 +403,11 @@ class OverlapDDP(nn.Module, Joinable):
 
     def join_hook(self, **kwargs: Any) -> OverlapJoinHook:
         """The hook ``Join`` runs on a rank that has run out of inputs."""
+        if self._delayed is not None:
+            raise ValueError(
+                "join() cannot be used with delay_all_reduce_named_params: a joined rank cannot know where, among "
+                "the buckets' collectives, the others start the delayed all-reduce (stock DDP does not shadow it)."
+            )
         return OverlapJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     @property
@@ -425,6 +444,33 @@ def _resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any | N
             "OverlapDDP needs torch.distributed: call dist.init_process_group(...) first, or pass process_group."
         )
     return dist.group.WORLD
+
+
+def _delayed_parameters(
+    module: nn.Module, named: list[tuple[str, nn.Parameter]] | None, hook_param: nn.Parameter | None
+) -> list[tuple[str, torch.Tensor]]:
+    """The (name, parameter) pairs of ``delay_all_reduce_named_params``, checked against the module."""
+    if named is None:
+        return []
+    if isinstance(named, (str, bytes)):
+        raise TypeError("delay_all_reduce_named_params must be a list of (name, parameter) pairs.")
+    by_name = dict(module.named_parameters())
+    chosen = []
+    for entry in named:
+        if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+            raise TypeError(f"delay_all_reduce_named_params must hold (name, parameter) pairs, got {entry!r}.")
+        name, param = entry
+        if by_name.get(name) is not param:
+            raise ValueError(
+                f"delay_all_reduce_named_params: {name!r} does not name that parameter in the module; pass entries "
+                "of module.named_parameters()."
+            )
+        chosen.append((name, param))
+    if not chosen:
+        raise ValueError("delay_all_reduce_named_params is empty; pass None to reduce every parameter in buckets.")
+    if not isinstance(hook_param, torch.Tensor) or not hook_param.requires_grad or not hook_param.is_leaf:
+        raise ValueError("param_to_hook_all_reduce must be a parameter (a leaf tensor) that requires grad.")
+    return chosen
 
 
 def _expects_sparse_gradient(module: nn.Module, params: list[torch.Tensor]) -> list[bool]:
@@ -510,6 +556,28 @@ def _register_ready_hooks(reducer: Reducer, params: list[torch.Tensor]) -> list[
         return on_ready
 
     return [p.register_post_accumulate_grad_hook(make_hook(i)) for i, p in enumerate(params)]
+
+
+def _register_delayed_hooks(reducer: Reducer, delayed: DelayedReduction, hook_param: torch.Tensor) -> list[Any]:
+    """Each delayed parameter reports its gradient (one arriving after the launch is an error); then
+    ``hook_param``'s gradient launches the delayed all-reduce. Hooks run in registration order."""
+    reducer_ref = weakref.ref(reducer)
+
+    def make_arrival(index: int) -> Callable[[torch.Tensor], None]:
+        def arrived(_: torch.Tensor) -> None:
+            live = reducer_ref()
+            if live is not None and live.delayed is not None:
+                live.delayed.gradient_ready(index)
+
+        return arrived
+
+    def launch(_: torch.Tensor) -> None:
+        live = reducer_ref()
+        if live is not None:
+            live.launch_delayed()
+
+    handles = [p.register_post_accumulate_grad_hook(make_arrival(i)) for i, p in enumerate(delayed.params)]
+    return handles + [hook_param.register_post_accumulate_grad_hook(launch)]
 
 
 class _EndOfBackward(torch.autograd.Function):
