@@ -26,6 +26,7 @@ from overlapddp.comm_hook_validation import builtin_hook, check_comm_hook
 from overlapddp.delayed_reduction import DelayedReduction
 from overlapddp.fence import FenceLog, fence_for
 from overlapddp.join import OverlapJoinHook, announce_backward_sync, common_rank
+from overlapddp.mixed_precision import MixedPrecision, ParameterCasts, ReduceInPrecision, reduce_in_precision_hook
 from overlapddp.module_sync import broadcast_coalesced, verify_same_parameters
 from overlapddp.optimizer_guard import OptimizerGuard
 from overlapddp.optimizer_overlap import OverlappedOptimizer
@@ -33,9 +34,6 @@ from overlapddp.param_usage import tensors_in
 from overlapddp.reducer import Reducer, ReducerOptions
 
 # Arguments this version rejects when set (to anything but None/False), with what to do instead.
-_NOT_YET = {
-    "mixed_precision": "cast the model yourself, or register fp16_compress_hook",
-}
 # "ddp": DDP's exact layout (bit-equal at every world size); "tuned": sized from a measured backward
 # and link after a few iterations (tuned_plan.py), the same reduction in other buckets.
 BUCKET_PLANS = ("ddp", "tuned")
@@ -84,12 +82,8 @@ class OverlapDDP(nn.Module, Joinable):
         Joinable.__init__(self)
         if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
             raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce need to be set at the same time.")
-        given = locals()
-        for name, instead in _NOT_YET.items():
-            if given[name] is not None and given[name] is not False:
-                raise NotImplementedError(
-                    f"OverlapDDP does not implement {name}={given[name]!r} yet; {instead}."
-                )
+        precision = None if mixed_precision is None else MixedPrecision(mixed_precision)
+        delayed = _delayed_parameters(module, delay_all_reduce_named_params, param_to_hook_all_reduce)
         if check_reduction:
             warnings.warn(
                 "The `check_reduction` argument is deprecated (as in DDP) and has no effect.",
@@ -109,7 +103,6 @@ class OverlapDDP(nn.Module, Joinable):
         self._divide_by_initial_world_size = True  # set by join(); read by forward under Join
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         # As in DDP, the delayed parameters leave the buckets (and the init sync) like ignored ones.
-        delayed = _delayed_parameters(module, delay_all_reduce_named_params, param_to_hook_all_reduce)
         self.parameters_to_ignore |= {name for name, _ in delayed}
 
         named = [(n, p) for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
@@ -182,6 +175,30 @@ class OverlapDDP(nn.Module, Joinable):
             self._reducer.delayed = self._delayed
             self._hook_handles += _register_delayed_hooks(self._reducer, self._delayed, param_to_hook_all_reduce)
         self._comm_hooks: list[tuple[Callable, object]] = []
+        self._mixed_precision: tuple[MixedPrecision, ParameterCasts] | None = None
+        if precision is not None:
+            self._set_up_mixed_precision(precision, bool(delayed))
+
+    def _set_up_mixed_precision(self, precision: MixedPrecision, delayed: bool) -> None:
+        """DDP's ``mixed_precision`` (see mixed_precision.py): buffers cast now, parameters per forward,
+        buckets reduced in the reduce dtype by a comm hook (so, as in DDP, no other hook can be registered)."""
+        refused = {
+            "gradient_as_bucket_view=True": self.gradient_as_bucket_view,
+            "find_unused_parameters=True": self.find_unused_parameters and not self.static_graph,
+            "delay_all_reduce_named_params": delayed,
+        }
+        for name, given in refused.items():
+            if given:
+                raise ValueError(
+                    f"mixed_precision cannot be combined with {name}: gradients change dtype and storage at every "
+                    "forward and bucket (a bucket view cannot stay the gradient; unused-parameter search and the "
+                    "delayed all-reduce track the full-precision gradient accumulators)."
+                )
+        precision.cast_buffers(self.modules_buffers)
+        named = self.module.named_parameters()
+        casts = ParameterCasts([p for n, p in named if n not in self.parameters_to_ignore], precision.param_dtype)
+        self._reducer.set_comm_hook(ReduceInPrecision(precision, casts, self.process_group), reduce_in_precision_hook)
+        self._mixed_precision = (precision, casts)
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -207,7 +224,13 @@ class OverlapDDP(nn.Module, Joinable):
             if self.device_ids:
                 target = torch.device(self.device_type, self.device_ids[0])
                 inputs, kwargs = _map_tensors((inputs, kwargs), lambda t: t.to(target, non_blocking=True))
+            if self._mixed_precision is not None:
+                precision, casts = self._mixed_precision
+                casts.to_low()
+                inputs, kwargs = _map_tensors((inputs, kwargs), precision.cast_input)
             output = self.module(*inputs, **kwargs)
+            if self._mixed_precision is not None and not grad_enabled:
+                casts.to_full()  # no backward will return them (DDP leaves them in param_dtype)
             if grad_enabled and self.require_backward_grad_sync:
                 self.require_forward_param_sync = True
                 outputs = list(tensors_in(output)) if self.find_unused_parameters else []
