@@ -33,7 +33,6 @@ from overlapddp.optimizer_overlap import OverlappedOptimizer
 from overlapddp.param_usage import tensors_in
 from overlapddp.reducer import Reducer, ReducerOptions
 
-# Arguments this version rejects when set (to anything but None/False), with what to do instead.
 # "ddp": DDP's exact layout (bit-equal at every world size); "tuned": sized from a measured backward
 # and link after a few iterations (tuned_plan.py), the same reduction in other buckets.
 BUCKET_PLANS = ("ddp", "tuned")
@@ -186,13 +185,14 @@ class OverlapDDP(nn.Module, Joinable):
             "gradient_as_bucket_view=True": self.gradient_as_bucket_view,
             "find_unused_parameters=True": self.find_unused_parameters and not self.static_graph,
             "delay_all_reduce_named_params": delayed,
+            "sparse gradients": bool(self._sparse_names),
         }
         for name, given in refused.items():
             if given:
                 raise ValueError(
                     f"mixed_precision cannot be combined with {name}: gradients change dtype and storage at every "
-                    "forward and bucket (a bucket view cannot stay the gradient; unused-parameter search and the "
-                    "delayed all-reduce track the full-precision gradient accumulators)."
+                    "forward and bucket (a bucket view cannot stay the gradient, a sparse bucket is the gradient; "
+                    "unused-parameter search and the delayed all-reduce track the full-precision accumulators)."
                 )
         precision.cast_buffers(self.modules_buffers)
         named = self.module.named_parameters()
@@ -489,8 +489,8 @@ def _delayed_parameters(
                 "of module.named_parameters()."
             )
         chosen.append((name, param))
-    if not chosen:
-        raise ValueError("delay_all_reduce_named_params is empty; pass None to reduce every parameter in buckets.")
+    if not chosen:  # as in DDP, an empty list delays nothing
+        return []
     if not isinstance(hook_param, torch.Tensor) or not hook_param.requires_grad or not hook_param.is_leaf:
         raise ValueError("param_to_hook_all_reduce must be a parameter (a leaf tensor) that requires grad.")
     return chosen
