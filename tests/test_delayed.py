@@ -9,6 +9,7 @@ late, so the collective is surely in flight) must fail the comparison every step
 
 from __future__ import annotations
 
+import functools
 import time
 from contextlib import contextmanager
 from typing import Iterator
@@ -24,28 +25,35 @@ from tests.multiprocess import run_ranks
 
 STEPS = 3
 LATE_LAUNCH_S = 0.2
+SETTLE_S = 1.0  # far longer than a 4 MiB all-reduce between two local ranks takes
 
 
 class Net(nn.Module):
-    """A 4 MiB input layer (the delayed one: its gradient is computed last) and a small head."""
+    """A small input layer, then a 4 MiB layer (the delayed one), then a small head. In backward the
+    delayed gradient is ready just before the input layer's, whose weight is the hook parameter. The
+    input layer is left alone by the wrapper (as by DDP), so no bucket's collective follows the delayed
+    one: stock DDP's end of backward, which waits for its buckets, then does not wait for it by chance."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
+        self.embed = nn.Linear(16, 1024)
         self.big = nn.Linear(1024, 1024, bias=False)
         self.head = nn.Sequential(nn.Linear(1024, 32), nn.ReLU(), nn.Linear(32, 4))
+        OverlapDDP._set_params_and_buffers_to_ignore_for_model(self, ["embed.weight", "embed.bias"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.big(x))
+        return self.head(self.big(self.embed(x)))
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(10 * step + rank)
-    return torch.randn(8, 1024, generator=g) * (1 + rank), torch.randn(8, 4, generator=g)
+    return torch.randn(8, 16, generator=g) * (1 + rank), torch.randn(8, 4, generator=g)
 
 
-def _delayed(net: Net, **kwargs) -> dict:
-    return {"delay_all_reduce_named_params": [("big.weight", net.big.weight)], "param_to_hook_all_reduce": net.big.weight, **kwargs}
+def _delayed(net: Net, hook_on_itself: bool = False) -> dict:
+    hook = net.big.weight if hook_on_itself else net.embed.weight
+    return {"delay_all_reduce_named_params": [("big.weight", net.big.weight)], "param_to_hook_all_reduce": hook}
 
 
 def _differences(a: nn.Module, b: nn.Module) -> list[str]:
@@ -64,8 +72,9 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, step: int, a
             nn.functional.mse_loss(model(x), y).backward()
 
 
-def _against_ddp_without_delay(rank: int, make, accumulate: int = 1) -> list[list[str]]:
-    """Per step: what differs from DDP without the delay, after backward and after Adam's step."""
+def _against_ddp_without_delay(rank: int, make, accumulate: int = 1, settle_s: float = 0.0) -> list[list[str]]:
+    """Per step: what differs from DDP without the delay, after backward and after Adam's step
+    (``settle_s``: a pause between backward and step, the workaround for stock DDP's race)."""
     reference = DistributedDataParallel(Net())
     candidate = make()
     optimizers = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in (reference, candidate)]
@@ -73,6 +82,7 @@ def _against_ddp_without_delay(rank: int, make, accumulate: int = 1) -> list[lis
     for step in range(STEPS):
         _train(reference, optimizers[0], rank, step, accumulate)
         _train(candidate, optimizers[1], rank, step, accumulate)
+        time.sleep(settle_s)
         for opt in optimizers:
             opt.step()  # right after backward: nothing waits in between
         per_step.append(_differences(reference, candidate))
@@ -125,10 +135,10 @@ def _errors(rank: int) -> dict[str, str]:
     net = Net()
     for name, kwargs in {
         "wrong name": {"delay_all_reduce_named_params": [("head.0.weight", net.big.weight)],
-                       "param_to_hook_all_reduce": net.big.weight},
+                       "param_to_hook_all_reduce": net.embed.weight},
         "only one": {"delay_all_reduce_named_params": [("big.weight", net.big.weight)]},
         "everything": {"delay_all_reduce_named_params": list(net.named_parameters()),
-                       "param_to_hook_all_reduce": net.big.weight},
+                       "param_to_hook_all_reduce": net.embed.weight},
     }.items():
         try:
             OverlapDDP(net, **kwargs)
@@ -155,18 +165,23 @@ def _errors(rank: int) -> dict[str, str]:
 
 
 def _all(rank: int, world_size: int) -> dict[str, object]:
-    def ours():
+    def ours(hook_on_itself: bool = False):
         net = Net()
-        return OverlapDDP(net, **_delayed(net))
+        return OverlapDDP(net, **_delayed(net, hook_on_itself))
 
-    def stock():
+    def stock(hook_on_itself: bool = False):
         net = Net()
-        return DistributedDataParallel(net, **_delayed(net))
+        return DistributedDataParallel(net, **_delayed(net, hook_on_itself))
 
     results: dict[str, object] = {
         "ours": _against_ddp_without_delay(rank, ours),
         "ours_no_sync": _against_ddp_without_delay(rank, ours, accumulate=2),
+        "ours_hook_on_itself": _against_ddp_without_delay(rank, functools.partial(ours, True)),
         "stock": _against_ddp_without_delay(rank, stock),
+        "stock_after_a_pause": _against_ddp_without_delay(rank, stock, settle_s=SETTLE_S),
+        "stock_hook_on_itself_after_a_pause": _against_ddp_without_delay(
+            rank, functools.partial(stock, True), settle_s=SETTLE_S
+        ),
         "fence": _fence_edges(rank),
         "errors": _errors(rank),
     }
@@ -184,6 +199,8 @@ def test_bit_equal_to_ddp_without_the_delay_every_step_with_the_step_right_after
     for rank, per_rank in enumerate(results):
         assert per_rank["ours"] == [[]] * STEPS, f"rank {rank}: {per_rank['ours']}"
         assert per_rank["ours_no_sync"] == [[]] * STEPS, f"rank {rank}: {per_rank['ours_no_sync']}"
+        # The hook parameter may be a delayed one: its own gradient is accumulated before the launch.
+        assert per_rank["ours_hook_on_itself"] == [[]] * STEPS, f"rank {rank}: {per_rank['ours_hook_on_itself']}"
 
 
 def test_the_comparison_fails_when_the_wait_is_skipped(results):
@@ -207,6 +224,12 @@ def test_bad_arguments_and_late_gradients_are_named(results):
 
 
 def test_stock_ddp_reads_the_delayed_gradients_before_they_are_reduced(results):
-    """Not ours: documents the race the fence removes (stock DDP with the delay, same comparison)."""
+    """Not ours: documents the race the fence removes. Stock DDP with the delay differs from DDP
+    without it when the step follows backward at once, and agrees when it waits a second."""
     stock = results[0]["stock"] + results[1]["stock"]
     assert any(step for step in stock), stock
+    for per_rank in results:
+        assert per_rank["stock_after_a_pause"] == [[]] * STEPS, per_rank["stock_after_a_pause"]
+        # DDP's hook runs before the hook parameter's own gradient is accumulated: when that parameter
+        # is itself delayed, no pause helps.
+        assert all("module.big.weight.grad" in step for step in per_rank["stock_hook_on_itself_after_a_pause"])
