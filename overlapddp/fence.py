@@ -210,8 +210,11 @@ class CudaFence(Fence):
             self._comm_stream.wait_event(event)
             super().launch(bucket, start)
             # The buffer is used on the communication stream: keep its memory from being reused
-            # by the caching allocator before that stream's work on it is done.
-            self._buffers[bucket].record_stream(self._comm_stream)
+            # by the caching allocator before that stream's work on it is done (a sparse gradient's
+            # memory is its indices and values).
+            buffer = self._buffers[bucket]
+            for tensor in (buffer._indices(), buffer._values()) if buffer.is_sparse else (buffer,):
+                tensor.record_stream(self._comm_stream)
 
     def complete(self, bucket: int) -> object:
         with torch.cuda.stream(self._comm_stream):

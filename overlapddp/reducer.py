@@ -23,9 +23,11 @@ import torch.distributed as dist
 from overlapddp.bucket_plan import BucketCaps, BucketPlan, explicit_plan, initial_plan, rebuilt_plan
 from overlapddp.bucket_storage import BucketStorage
 from overlapddp.comm_hook import Bucket, CommHook, allreduce_sum, hook_result, is_unchained, run_hook
+from overlapddp.delayed_reduction import DelayedReduction
 from overlapddp.fence import Fence
 from overlapddp.param_usage import UsageMap, grad_accumulators, unreachable
 from overlapddp.plan_tuner import CALIBRATION_ITERATIONS, PlanTuner
+from overlapddp.sparse_reduction import SparseBucketStorage
 from overlapddp.token_weighting import TokenCount
 
 
@@ -92,6 +94,8 @@ class Reducer:
         # later buckets may still be reducing: the overlapped optimizer's per-bucket update.
         self.after_bucket_reduced: Callable[[list[torch.Tensor]], None] | None = None
         self.after_all_reduced: Callable[[], None] | None = None  # once, when every bucket is written
+        # delay_all_reduce_named_params: launched by launch_delayed, completed in finalize (set by the wrapper).
+        self.delayed: DelayedReduction | None = None
         self._ready_order: list[int] = []
         self._rebuilt_from: list[int] = []  # rank 0's ready order the current plan was built from
         # True from the first mark_ready of a backward until finalize: an unfinished reduction.
@@ -137,10 +141,14 @@ class Reducer:
         self.plan = plan
         located = plan.locate()
         self._locate = [located[i][0] for i in range(len(self.params))]
-        self._storages = [
-            BucketStorage(b, [self.params[i] for i in members]) for b, members in enumerate(plan.buckets)
-        ]
+        self._storages = [self._new_storage(b, members) for b, members in enumerate(plan.buckets)]
         self._reset_iteration()
+
+    def _new_storage(self, index: int, members: Sequence[int]) -> BucketStorage | SparseBucketStorage:
+        """A flat buffer, or for a parameter that expects a sparse gradient its own gradient (sparse_reduction.py)."""
+        if self._sparse_gradient[members[0]]:
+            return SparseBucketStorage(index, [self.params[members[0]]], self.names[members[0]])
+        return BucketStorage(index, [self.params[i] for i in members])
 
     def _reset_iteration(self) -> None:
         self._pending = [len(members) for members in self.plan.buckets]
@@ -357,6 +365,12 @@ class Reducer:
         unused = set(self._unused)
         return all(i in unused for i in self.plan.buckets[bucket])
 
+    def launch_delayed(self) -> None:
+        """``param_to_hook_all_reduce`` has its gradient: start the delayed all-reduce, once per
+        synchronized backward (finalize completes it, or starts it if this never ran)."""
+        if self.state is ReducerState.BACKWARD and not self.delayed.launched:
+            self.delayed.launch(self._fence)
+
     def reduce_learned_graph(self) -> None:
         """Static graph, end of the first backward: learn who is unused, then reduce everything."""
         self._usage.launch_reduction(self.process_group)
@@ -485,6 +499,8 @@ class Reducer:
                     self.after_bucket_reduced(storage.params)
                 if measuring:
                     self._tuner.bucket_finalized(time.perf_counter() - reduced_at)
+            if self.delayed is not None:
+                self.delayed.finish(self._fence)
             if self._usage is not None:
                 self._usage.settle()
             if self.after_all_reduced is not None:
@@ -537,7 +553,7 @@ class Reducer:
         not finite, naming those ranks and parameters (one extra all-reduce per bucket; a debug option)."""
         storage = self._storages[index]
         bad = [self.names[i] for i, p in zip(self.plan.buckets[index], storage.params)
-               if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+               if p.grad is not None and not bool(torch.isfinite(_values(p.grad)).all())]
         count = torch.tensor([len(bad)], device=storage.buffer.device)
         dist.all_reduce(count, group=self.process_group)
         if count.item() == 0:
@@ -574,8 +590,10 @@ class Reducer:
         """Drop an unfinished iteration; buckets that may still be written by a collective get new storage."""
         dropped = self._fence.abandon()
         for index in dropped:
-            members = self.plan.buckets[index]
-            self._storages[index] = BucketStorage(index, [self.params[i] for i in members])
+            if index >= 0:  # the delayed all-reduce (a negative key) renews its own buffer
+                self._storages[index] = self._new_storage(index, self.plan.buckets[index])
+        if self.delayed is not None:
+            self.delayed.abandon()
         self._require_finalize = False
         self._ready_order = []
         self._taken = {}
@@ -585,6 +603,11 @@ class Reducer:
             self._usage.reset()
         self._reset_iteration()
         self.state = ReducerState.IDLE
+
+
+def _values(grad: torch.Tensor) -> torch.Tensor:
+    """The stored values of a dense or sparse gradient."""
+    return grad._values() if grad.is_sparse else grad
 
 
 def _qualname(hook: object) -> str:

@@ -23,20 +23,16 @@ from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 from overlapddp.bucket_plan import BucketCaps
 from overlapddp.comm_hook import CommHook
 from overlapddp.comm_hook_validation import builtin_hook, check_comm_hook
+from overlapddp.delayed_reduction import DelayedReduction
 from overlapddp.fence import FenceLog, fence_for
 from overlapddp.join import OverlapJoinHook, announce_backward_sync, common_rank
+from overlapddp.mixed_precision import MixedPrecision, ParameterCasts, ReduceInPrecision, reduce_in_precision_hook
 from overlapddp.module_sync import broadcast_coalesced, verify_same_parameters
 from overlapddp.optimizer_guard import OptimizerGuard
 from overlapddp.optimizer_overlap import OverlappedOptimizer
 from overlapddp.param_usage import tensors_in
 from overlapddp.reducer import Reducer, ReducerOptions
 
-# Arguments this version rejects when set (to anything but None/False), with what to do instead.
-_NOT_YET = {
-    "delay_all_reduce_named_params": "let all parameters be reduced in buckets",
-    "param_to_hook_all_reduce": "let all parameters be reduced in buckets",
-    "mixed_precision": "cast the model yourself, or register fp16_compress_hook",
-}
 # "ddp": DDP's exact layout (bit-equal at every world size); "tuned": sized from a measured backward
 # and link after a few iterations (tuned_plan.py), the same reduction in other buckets.
 BUCKET_PLANS = ("ddp", "tuned")
@@ -85,12 +81,8 @@ class OverlapDDP(nn.Module, Joinable):
         Joinable.__init__(self)
         if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
             raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce need to be set at the same time.")
-        given = locals()
-        for name, instead in _NOT_YET.items():
-            if given[name] is not None and given[name] is not False:
-                raise NotImplementedError(
-                    f"OverlapDDP does not implement {name}={given[name]!r} yet; {instead}."
-                )
+        precision = None if mixed_precision is None else MixedPrecision(mixed_precision)
+        delayed = _delayed_parameters(module, delay_all_reduce_named_params, param_to_hook_all_reduce)
         if check_reduction:
             warnings.warn(
                 "The `check_reduction` argument is deprecated (as in DDP) and has no effect.",
@@ -109,9 +101,16 @@ class OverlapDDP(nn.Module, Joinable):
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True  # set by join(); read by forward under Join
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        # As in DDP, the delayed parameters leave the buckets (and the init sync) like ignored ones.
+        self.parameters_to_ignore |= {name for name, _ in delayed}
 
         named = [(n, p) for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
         trainable = [(n, p) for n, p in named if p.requires_grad]
+        if delayed and not trainable:
+            raise NotImplementedError(
+                "Every parameter that requires grad is in delay_all_reduce_named_params; OverlapDDP completes the "
+                "delayed all-reduce at the end of its buckets' backward, so leave at least one parameter out of it."
+            )
         _check_parameters(named, trainable)
         self.device = trainable[0][1].device
         self.device_type = self.device.type
@@ -125,17 +124,16 @@ class OverlapDDP(nn.Module, Joinable):
 
         names = [n for n, _ in trainable]
         params = [p for _, p in trainable]
+        self._delayed = None
+        if delayed:  # broadcast from rank 0 whatever init_sync says, as DDP does
+            self._delayed = DelayedReduction([p for _, p in delayed], [n for n, _ in delayed], self.process_group)
+            broadcast_coalesced([p.detach() for _, p in delayed], 0, self.process_group)
         if init_sync:
             verify_same_parameters(names, params, self.process_group)
             self._broadcast_state(0, with_buffers=init_sync_buffers)
 
-        sparse = [False] * len(params)
-        for module_name, sub in module.named_modules():
-            if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
-                raise NotImplementedError(
-                    f"OverlapDDP does not reduce sparse gradients yet ({module_name} has sparse=True); "
-                    "use sparse=False."
-                )
+        sparse = _expects_sparse_gradient(module, params)
+        self._sparse_names = [n for n, s in zip(names, sparse) if s]
         if static_graph and find_unused_parameters:
             warnings.warn(
                 "You passed find_unused_parameters=true to OverlapDDP with static_graph enabled; with a "
@@ -149,6 +147,12 @@ class OverlapDDP(nn.Module, Joinable):
             raise NotImplementedError(
                 "bucket_plan='tuned' times each bucket's collective from the host, which CUDA collectives do "
                 "not report (NCCL's future completes at enqueue); use bucket_plan='ddp' on GPUs for now."
+            )
+        if bucket_plan == "tuned" and any(sparse):
+            raise ValueError(
+                "bucket_plan='tuned' groups gradients into flat buffers, but "
+                f"{', '.join(self._sparse_names)} produce sparse gradients, which DDP's layout "
+                "keeps alone in their buckets; use bucket_plan='ddp'."
             )
         if bucket_plan == "tuned" and find_unused_parameters and not static_graph:
             raise ValueError(
@@ -166,7 +170,35 @@ class OverlapDDP(nn.Module, Joinable):
         )
         self._reducer = Reducer(params, names, self.process_group, fence_for(self.device), caps, sparse, options)
         self._hook_handles = _register_ready_hooks(self._reducer, params)
+        if self._delayed is not None:
+            self._reducer.delayed = self._delayed
+            self._hook_handles += _register_delayed_hooks(self._reducer, self._delayed, param_to_hook_all_reduce)
         self._comm_hooks: list[tuple[Callable, object]] = []
+        self._mixed_precision: tuple[MixedPrecision, ParameterCasts] | None = None
+        if precision is not None:
+            self._set_up_mixed_precision(precision, bool(delayed))
+
+    def _set_up_mixed_precision(self, precision: MixedPrecision, delayed: bool) -> None:
+        """DDP's ``mixed_precision`` (see mixed_precision.py): buffers cast now, parameters per forward,
+        buckets reduced in the reduce dtype by a comm hook (so, as in DDP, no other hook can be registered)."""
+        refused = {
+            "gradient_as_bucket_view=True": self.gradient_as_bucket_view,
+            "find_unused_parameters=True": self.find_unused_parameters and not self.static_graph,
+            "delay_all_reduce_named_params": delayed,
+            "sparse gradients": bool(self._sparse_names),
+        }
+        for name, given in refused.items():
+            if given:
+                raise ValueError(
+                    f"mixed_precision cannot be combined with {name}: gradients change dtype and storage at every "
+                    "forward and bucket (a bucket view cannot stay the gradient, a sparse bucket is the gradient; "
+                    "unused-parameter search and the delayed all-reduce track the full-precision accumulators)."
+                )
+        precision.cast_buffers(self.modules_buffers)
+        named = self.module.named_parameters()
+        casts = ParameterCasts([p for n, p in named if n not in self.parameters_to_ignore], precision.param_dtype)
+        self._reducer.set_comm_hook(ReduceInPrecision(precision, casts, self.process_group), reduce_in_precision_hook)
+        self._mixed_precision = (precision, casts)
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -192,7 +224,13 @@ class OverlapDDP(nn.Module, Joinable):
             if self.device_ids:
                 target = torch.device(self.device_type, self.device_ids[0])
                 inputs, kwargs = _map_tensors((inputs, kwargs), lambda t: t.to(target, non_blocking=True))
+            if self._mixed_precision is not None:
+                precision, casts = self._mixed_precision
+                casts.to_low()
+                inputs, kwargs = _map_tensors((inputs, kwargs), precision.cast_input)
             output = self.module(*inputs, **kwargs)
+            if self._mixed_precision is not None and not grad_enabled:
+                casts.to_full()  # no backward will return them (DDP leaves them in param_dtype)
             if grad_enabled and self.require_backward_grad_sync:
                 self.require_forward_param_sync = True
                 outputs = list(tensors_in(output)) if self.find_unused_parameters else []
@@ -281,6 +319,11 @@ class OverlapDDP(nn.Module, Joinable):
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Reduce each bucket with ``hook(state, bucket)``; the stock DDP hooks run unmodified."""
         check_comm_hook(hook, self.process_group)
+        if isinstance(state, PowerSGDState) and self._sparse_names:
+            raise ValueError(
+                f"PowerSGD compresses flat dense buckets, but {', '.join(self._sparse_names)} produce sparse "
+                "gradients (stock DDP hangs here); use sparse=False for them or another hook."
+            )
         if self._reducer.options.tuned_plan:
             _check_per_bucket_state(state, self._reducer.final_layout_iteration)
         self._reducer.set_comm_hook(state, hook)
@@ -383,6 +426,11 @@ class OverlapDDP(nn.Module, Joinable):
 
     def join_hook(self, **kwargs: Any) -> OverlapJoinHook:
         """The hook ``Join`` runs on a rank that has run out of inputs."""
+        if self._delayed is not None:
+            raise ValueError(
+                "join() cannot be used with delay_all_reduce_named_params: a joined rank cannot know where, among "
+                "the buckets' collectives, the others start the delayed all-reduce (stock DDP does not shadow it)."
+            )
         return OverlapJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     @property
@@ -419,6 +467,45 @@ def _resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any | N
             "OverlapDDP needs torch.distributed: call dist.init_process_group(...) first, or pass process_group."
         )
     return dist.group.WORLD
+
+
+def _delayed_parameters(
+    module: nn.Module, named: list[tuple[str, nn.Parameter]] | None, hook_param: nn.Parameter | None
+) -> list[tuple[str, torch.Tensor]]:
+    """The (name, parameter) pairs of ``delay_all_reduce_named_params``, checked against the module."""
+    if named is None:
+        return []
+    if isinstance(named, (str, bytes)):
+        raise TypeError("delay_all_reduce_named_params must be a list of (name, parameter) pairs.")
+    by_name = dict(module.named_parameters())
+    chosen = []
+    for entry in named:
+        if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+            raise TypeError(f"delay_all_reduce_named_params must hold (name, parameter) pairs, got {entry!r}.")
+        name, param = entry
+        if by_name.get(name) is not param:
+            raise ValueError(
+                f"delay_all_reduce_named_params: {name!r} does not name that parameter in the module; pass entries "
+                "of module.named_parameters()."
+            )
+        chosen.append((name, param))
+    if not chosen:  # as in DDP, an empty list delays nothing
+        return []
+    if not isinstance(hook_param, torch.Tensor) or not hook_param.requires_grad or not hook_param.is_leaf:
+        raise ValueError("param_to_hook_all_reduce must be a parameter (a leaf tensor) that requires grad.")
+    return chosen
+
+
+def _expects_sparse_gradient(module: nn.Module, params: list[torch.Tensor]) -> list[bool]:
+    """Per parameter, DDP's ``expect_sparse_gradient``: the first module that owns it is an
+    ``Embedding`` or ``EmbeddingBag`` built with ``sparse=True``."""
+    owner: dict[int, nn.Module] = {}
+    for sub in module.modules():
+        for param in sub.parameters(recurse=False):
+            owner.setdefault(id(param), sub)
+    return [
+        isinstance(owner.get(id(p)), (nn.Embedding, nn.EmbeddingBag)) and bool(owner[id(p)].sparse) for p in params
+    ]
 
 
 def _check_parameters(named: list[tuple[str, torch.Tensor]], trainable: list[tuple[str, torch.Tensor]]) -> None:
@@ -492,6 +579,28 @@ def _register_ready_hooks(reducer: Reducer, params: list[torch.Tensor]) -> list[
         return on_ready
 
     return [p.register_post_accumulate_grad_hook(make_hook(i)) for i, p in enumerate(params)]
+
+
+def _register_delayed_hooks(reducer: Reducer, delayed: DelayedReduction, hook_param: torch.Tensor) -> list[Any]:
+    """Each delayed parameter reports its gradient (one arriving after the launch is an error); then
+    ``hook_param``'s gradient launches the delayed all-reduce. Hooks run in registration order."""
+    reducer_ref = weakref.ref(reducer)
+
+    def make_arrival(index: int) -> Callable[[torch.Tensor], None]:
+        def arrived(_: torch.Tensor) -> None:
+            live = reducer_ref()
+            if live is not None and live.delayed is not None:
+                live.delayed.gradient_ready(index)
+
+        return arrived
+
+    def launch(_: torch.Tensor) -> None:
+        live = reducer_ref()
+        if live is not None:
+            live.launch_delayed()
+
+    handles = [p.register_post_accumulate_grad_hook(make_arrival(i)) for i, p in enumerate(delayed.params)]
+    return handles + [hook_param.register_post_accumulate_grad_hook(launch)]
 
 
 class _EndOfBackward(torch.autograd.Function):

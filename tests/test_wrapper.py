@@ -30,15 +30,15 @@ def test_constructor_signature_matches_ddp_names_order_and_defaults():
 
 
 @pytest.mark.parametrize(
-    "argument, value",
-    [("mixed_precision", object()), ("delay_all_reduce_named_params", [("weight", None)])],
+    "argument, value, error",
+    [("mixed_precision", object(), TypeError), ("delay_all_reduce_named_params", [("weight", None)], ValueError)],
 )
-def test_unimplemented_argument_raises_not_implemented_naming_it(argument, value):
+def test_bad_mixed_precision_or_delayed_arguments_are_refused_naming_them(argument, value, error):
     net = nn.Linear(2, 2)
     kwargs = {argument: value}
     if argument == "delay_all_reduce_named_params":
         kwargs["param_to_hook_all_reduce"] = net.weight
-    with pytest.raises(NotImplementedError, match=argument):
+    with pytest.raises(error, match=argument):
         OverlapDDP(net, **kwargs)
 
 
