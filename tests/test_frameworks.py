@@ -204,7 +204,8 @@ def _accelerate(tmp: Path) -> dict[str, Any]:
         restored = _flat(net)
         train(batches[6:8])
         return {"params": params, "wrapper": type(model).__name__, "unwrapped": acc.unwrap_model(model) is net,
-                "state_dict_keys": sorted(acc.get_state_dict(model)), "restored_exactly": np.array_equal(saved, restored)}
+                "state_dict_keys": sorted(acc.get_state_dict(model)),
+                "restored_exactly": np.array_equal(saved, restored)}
 
     def trigger_sync(overlap: bool) -> dict[str, Any]:
         """Accelerate's trigger_sync_in_backward pattern, with the FP16 comm hook from the kwargs handler."""
@@ -242,7 +243,7 @@ def _transformers(tmp: Path) -> dict[str, Any]:
         def __init__(self) -> None:
             self.params: list[np.ndarray] = []
 
-        def on_step_end(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
+        def on_step_end(self, args: Any, state: Any, control: Any, model: nn.Module, **kwargs: Any) -> None:
             self.params.append(_flat(model))
 
     generator = torch.Generator().manual_seed(0)

@@ -50,7 +50,8 @@ def _builds_ddp(accelerator: Accelerator, model: nn.Module, evaluation_mode: boo
         return False
     config = accelerator.parallelism_config
     tensor_parallel = config is not None and config.tp_enabled
-    return (accelerator.multi_device and not tensor_parallel) or accelerator.distributed_type == DistributedType.MULTI_CPU
+    multi_cpu = accelerator.distributed_type == DistributedType.MULTI_CPU
+    return (accelerator.multi_device and not tensor_parallel) or multi_cpu
 
 
 def _device_ids(accelerator: Accelerator) -> tuple[list[int] | None, int | None]:
@@ -92,7 +93,9 @@ def _prepare_model(accelerator: Accelerator, prepare_model: Callable[..., nn.Mod
 
 
 def _unwrap_model(unwrap_model: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-    def unwrap_overlapddp(model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> nn.Module:
+    def unwrap_overlapddp(
+        model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
+    ) -> nn.Module:
         if isinstance(model, OverlapDDP):
             model = model.module
         return unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile)
