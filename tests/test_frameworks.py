@@ -49,6 +49,15 @@ def _flat(module: nn.Module) -> np.ndarray:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).numpy().copy()
 
 
+def _error_of(action: Callable[[], Any]) -> str:
+    """``"TypeName: message"`` of what ``action`` raises; "" when it raises nothing."""
+    try:
+        action()
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return ""
+
+
 def _regression_data(samples: int = 32) -> TensorDataset:
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randn(samples, 16, generator=generator)
@@ -153,7 +162,8 @@ def _lightning(tmp: Path) -> dict[str, Any]:
         "manual": {"ddp": manual("ddp"), "overlap_ddp": manual("overlap_ddp")},
     }
     fit(OverlapDDPStrategy(ddp_comm_hook=counting_hook, bucket_cap_mb=0.001), steps=2)
-    return {**results, "comm_hook_buckets": sorted(set(hook_calls))}
+    refused = _error_of(lambda: fit(OverlapDDPStrategy(static_graph=True), steps=1, manual=True))
+    return {**results, "comm_hook_buckets": sorted(set(hook_calls)), "manual_static_graph": refused}
 
 
 # -- Accelerate --------------------------------------------------------------------------------
@@ -166,10 +176,10 @@ def _accelerate(tmp: Path) -> dict[str, Any]:
 
     from overlapddp.integrations.accelerate import use_overlapddp
 
-    def accelerator(overlap: bool, accumulate: int, **ddp: Any) -> Accelerator:
-        AcceleratorState._reset_state()
+    def accelerator(overlap: bool, accumulate: int, dynamo_backend: str | None = None, **ddp: Any) -> Accelerator:
+        AcceleratorState._reset_state()  # each Accelerator with its own settings, in one process
         GradientState._reset_state()
-        made = Accelerator(cpu=True, gradient_accumulation_steps=accumulate,
+        made = Accelerator(cpu=True, gradient_accumulation_steps=accumulate, dynamo_backend=dynamo_backend,
                            kwargs_handlers=[DistributedDataParallelKwargs(**ddp)])
         return use_overlapddp(made) if overlap else made
 
@@ -224,7 +234,18 @@ def _accelerate(tmp: Path) -> dict[str, Any]:
             params.append(_flat(net))
         return {"params": params, "wrapper": type(model).__name__}
 
+    def refusals() -> dict[str, str]:
+        """Accelerate's compile setting, and trigger_sync_in_backward without knowing the used parameters."""
+        # One at a time: Accelerate keeps its settings in process-wide state.
+        compiled = accelerator(True, accumulate=1, dynamo_backend="eager")
+        dynamo = _error_of(lambda: compiled.prepare(_mlp()))
+        unused = accelerator(True, accumulate=1, find_unused_parameters=True)
+        model = unused.prepare(_mlp())
+        trigger = _error_of(lambda: unused.trigger_sync_in_backward(model).__enter__())
+        return {"dynamo": dynamo, "trigger_unused": trigger}
+
     return {
+        "refusals": refusals(),
         "accumulate": {"ddp": accumulate_and_checkpoint(False), "overlap_ddp": accumulate_and_checkpoint(True)},
         "trigger_sync": {"ddp": trigger_sync(False), "overlap_ddp": trigger_sync(True)},
     }
@@ -337,6 +358,7 @@ def test_lightning_manual_optimization_reduces_every_backward_as_ddp(ranks):
     for result in _results(ranks, "lightning"):
         assert result["manual"]["overlap_ddp"]["wrappers"] == {"OverlapDDP"}
         _assert_bit_equal(result["manual"], batches=3)
+        assert result["manual_static_graph"].startswith("ValueError: OverlapDDPStrategy(static_graph=True) with manual")
 
 
 def test_accelerate_prepare_accumulate_and_state_round_trip_are_bit_equal_to_ddp(ranks):
@@ -347,6 +369,13 @@ def test_accelerate_prepare_accumulate_and_state_round_trip_are_bit_equal_to_ddp
         assert ours["unwrapped"] and ours["restored_exactly"]
         assert ours["state_dict_keys"] == scenario["ddp"]["state_dict_keys"]
         _assert_bit_equal(scenario, batches=10)
+
+
+def test_accelerate_refuses_its_compile_setting_and_trigger_sync_with_unused_parameter_search(ranks):
+    for result in _results(ranks, "accelerate"):
+        refused = result["refusals"]
+        assert refused["dynamo"].startswith("NotImplementedError: use_overlapddp: Accelerate's torch.compile")
+        assert refused["trigger_unused"].startswith("ValueError: Accelerator.trigger_sync_in_backward with find_unused")
 
 
 def test_accelerate_trigger_sync_in_backward_with_fp16_comm_hook_is_bit_equal_to_ddp(ranks):
