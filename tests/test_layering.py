@@ -11,6 +11,9 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "overlapddp"
+# overlapddp.integrations sits above every layer: only users import it, and only it imports a framework.
+INTEGRATIONS = PACKAGE / "integrations"
+FRAMEWORKS = {"lightning", "pytorch_lightning", "accelerate", "transformers"}
 
 # Lowest first; a module may import only from strictly lower layers.
 LAYERS = [
@@ -76,3 +79,35 @@ def test_the_check_sees_an_upward_import(tmp_path):
     fake.write_text("from overlapddp.wrapper import OverlapDDP\nfrom torch import nn\n")
     imported, uses_nn = _runtime_imports(fake)
     assert imported == {"wrapper"} and uses_nn and _layer("wrapper") >= _layer("reducer")
+
+
+def _external_roots(path: Path) -> set[str]:
+    """The top-level names of the packages outside overlapddp that ``path`` imports."""
+    roots = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            roots.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+    return roots - {"overlapddp"}
+
+
+def test_integrations_are_a_top_layer_and_the_only_modules_importing_a_framework():
+    core = sorted(PACKAGE.glob("*.py"))
+    into_integrations = [
+        f"{p.stem} -> {m}" for p in core for m in sorted(_runtime_imports(p)[0]) if m.startswith("integrations")
+    ]
+    framework_users = [f"{p.stem}: {sorted(_external_roots(p) & FRAMEWORKS)}" for p in core
+                       if _external_roots(p) & FRAMEWORKS]
+    assert into_integrations == [], "the package imports its integrations"
+    assert framework_users == [], "modules below the integrations import a framework"
+    for path in sorted(INTEGRATIONS.glob("*.py")):
+        imported = {m for m in _runtime_imports(path)[0] if not m.startswith("integrations")}
+        assert imported <= set().union(*LAYERS), f"integrations/{path.name} imports unknown modules {imported}"
+
+
+def test_the_check_sees_a_framework_import(tmp_path):
+    fake = tmp_path / "reducer.py"
+    fake.write_text("import lightning.pytorch as pl\nfrom overlapddp.integrations import lightning\n")
+    assert _external_roots(fake) & FRAMEWORKS == {"lightning"}
+    assert _runtime_imports(fake)[0] == {"integrations"}
