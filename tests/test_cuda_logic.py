@@ -219,8 +219,8 @@ def test_token_count_on_cuda_is_reduced_on_a_side_stream_and_never_read_from_the
     assert total == 7.0
     [(stream, reduced)] = issued
     assert stream == "side1"  # not the compute stream: the count does not wait for forward
-    assert kit.calls[-1] == ("synchronize", "e1")  # the host waits for the copy's event only
     assert reduced not in [ptr for _, ptr in counter.reads]  # never .item() on the device tensor
+    assert kit.calls[-1] == ("synchronize", "e1")  # the host waits for the copy's event only
 
 
 def _nonfinite_reads() -> tuple[int, int]:
