@@ -154,8 +154,9 @@ class Fence:
     def _wait(self, future: Future) -> Any:
         return future.wait()
 
-    def consumed(self, bucket: int, consumer: str) -> None:
-        """Edge 4: a reader used the completed result (logged only; completion already ordered it)."""
+    def consumed(self, bucket: int, consumer: str, written: Sequence[torch.Tensor] = ()) -> None:
+        """Edge 4: a reader used the completed result, writing ``written`` (logged only on CPU;
+        completion already ordered it)."""
         self._record(bucket, "consumed", consumer)
 
     def backward_ended(self) -> None:
@@ -251,11 +252,16 @@ class CudaFence(Fence):
         self._consumer = consumer
         return value
 
-    def consumed(self, bucket: int, consumer: str) -> None:
+    def consumed(self, bucket: int, consumer: str, written: Sequence[torch.Tensor] = ()) -> None:
+        stream = self._kit.current_stream()
         released = self._kit.new_event()
-        released.record(self._kit.current_stream())
+        released.record(stream)
         self._released[bucket] = released
-        super().consumed(bucket, consumer)
+        # The gradients were allocated on the producer stream and written here: a zero_grad that
+        # drops them must not let that stream reuse their memory before this write has run.
+        for tensor in written:
+            self._kit.record_stream(tensor, stream)
+        super().consumed(bucket, consumer, written)
 
     def make_visible(self, strict: bool, gradients: Sequence[torch.Tensor] = ()) -> None:
         current = self._kit.current_stream()

@@ -482,7 +482,8 @@ class Reducer:
                     write = [self._globally_used(i) for i in self.plan.buckets[index]]
                     result = hook_result(value, hook_name, index, storage.buffer)
                     storage.copy_out(result, write, as_view=self.options.gradient_as_bucket_view)
-                    self._fence.consumed(index, "copy to param.grad")
+                    written = [p.grad for p in storage.params if p.grad is not None]
+                    self._fence.consumed(index, "copy to param.grad", written)
                 if self.after_bucket_reduced is not None:
                     self.after_bucket_reduced(storage.params)
                 if measuring:

@@ -89,8 +89,8 @@ class DelayedFence(Fence):
         else:
             time.sleep(self.seconds)
 
-    def consumed(self, bucket: int, consumer: str) -> None:
-        self.inner.consumed(bucket, consumer)
+    def consumed(self, bucket: int, consumer: str, written: Sequence[torch.Tensor] = ()) -> None:
+        self.inner.consumed(bucket, consumer, written)
 
     def backward_ended(self) -> None:
         self.inner.backward_ended()

@@ -48,7 +48,7 @@ def test_one_bucket_cycle_records_and_waits_in_order():
         fence.launch(0, lambda: _done([buffer]))
     with kit.use(kit.stream("consumer")):
         fence.complete(0)
-        fence.consumed(0, "copy to param.grad")
+        fence.consumed(0, "copy to param.grad", grads)
     fence.end_iteration()
     with kit.use(kit.stream("reader")):
         fence.make_visible(strict=False, gradients=grads)
@@ -64,6 +64,8 @@ def test_one_bucket_cycle_records_and_waits_in_order():
         ("wait_event", "consumer", "e2", "completed"),
         ("record_stream", _ptr(buffer), "consumer"),  # the result is read on the consumer stream
         ("record", "e3", "consumer"),  # released: after the copy-out
+        ("record_stream", _ptr(grads[0]), "consumer"),  # the gradients it wrote
+        ("record_stream", _ptr(grads[1]), "consumer"),
         ("wait_stream", "reader", "consumer", "reader"),  # the reader waits for the copy-out, not only e2
         ("record_stream", _ptr(grads[0]), "reader"),
         ("record_stream", _ptr(grads[1]), "reader"),
