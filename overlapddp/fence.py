@@ -299,7 +299,9 @@ def fence_for(devices: dict[str, torch.device]) -> Fence:
     for name, device in devices.items():
         where.setdefault(device, []).append(name)
     if len(where) > 1:
-        listed = "; ".join(f"{d}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}" for d, names in where.items())
+        listed = "; ".join(
+            f"{d}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}" for d, names in where.items()
+        )
         raise ValueError(
             f"OverlapDDP reduces a module that lives on one device, but its parameters are on {len(where)} "
             f"devices ({listed}). Move the module to one GPU (one process per GPU), or use "

@@ -134,7 +134,8 @@ def test_produced_is_recorded_where_the_bucket_was_filled_and_the_next_fill_wait
     _backward(reducer, params, kit)
     second = [c for c in kit.calls if c[0] == "wait_event" and c[3] == "released"]
     records = {event: stream for call, event, stream in (c for c in kit.calls if c[0] == "record")}
-    assert [(stream, records[event]) for _, stream, event, _ in second] == [("hook a", "consumer"), ("hook b", "consumer")]
+    waited_for = [(stream, records[event]) for _, stream, event, _ in second]
+    assert waited_for == [("hook a", "consumer"), ("hook b", "consumer")]
     assert [p.grad.tolist() for p in params] == [[2.0] * 3, [2.0] * 2]
 
 
@@ -168,7 +169,9 @@ class _FakeCudaDevice:
 def test_object_gathers_run_on_the_modules_device_not_the_current_one(monkeypatch):
     seen = []
     monkeypatch.setattr(torch.cuda, "device", _FakeCudaDevice)
-    monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, group=None: seen.append(_FakeCudaDevice.current[-1]))
+    monkeypatch.setattr(
+        dist, "all_gather_object", lambda out, obj, group=None: seen.append(_FakeCudaDevice.current[-1])
+    )
     group = type("Group", (), {"size": lambda self: 2})()
     module_sync.gather_objects("x", group, torch.device("cuda", 3))
     assert seen == ["cuda:3"]

@@ -73,8 +73,7 @@ def _sleepy_allreduce_hook(state: Any, bucket: Any) -> torch.futures.Future:
     return default_hooks.allreduce_hook(state, bucket).then(late)
 
 
-# Scenario name -> (how ours is built and delayed, what the step does). Each entry of SCENARIOS is
-# (wrapper kwargs, hook, delay stage or None, loop).
+# Scenario name -> (wrapper kwargs, comm hook, delay stage on rank 1 or None, training loop).
 SCENARIOS: dict[str, tuple[dict, Callable | None, str | None, str]] = {
     "copy-in delayed on the producer stream": ({}, None, "production", "plain"),
     "result written late on the hook callback's stream": ({}, "sleepy", None, "plain"),
@@ -215,7 +214,7 @@ def no_host_syncs(rank: int, world_size: int) -> dict[str, str]:
         inputs, target = (t.to(device) for t in models.batch(MODEL, rank, 0))
         outcomes[mode] = "ok"
         for step in range(5):
-            if step == 3:
+            if step >= 3:
                 torch.cuda.synchronize()
                 torch.cuda.set_sync_debug_mode("error")
             try:
