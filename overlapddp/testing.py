@@ -74,8 +74,10 @@ class DelayedFence(Fence):
         if self.stage == "launch":
             time.sleep(self.seconds)
             self.inner.launch(bucket, lambda: _after_device_sleep(start, self.seconds))
-        else:
+        elif self.stage == "completion":
             self.inner.launch(bucket, lambda: _resolve_late(start(), self.seconds))
+        else:
+            self.inner.launch(bucket, start)
 
     def complete(self, bucket: int) -> object:
         value = self.inner.complete(bucket)

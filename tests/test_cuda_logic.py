@@ -6,6 +6,8 @@ These check who records and who waits; whether the GPU then obeys is for tests/g
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,6 +19,7 @@ from overlapddp.bucket_plan import BucketCaps, explicit_plan
 from overlapddp.fence import CudaFence, Fence, fence_for
 from overlapddp.param_usage import UsageMap
 from overlapddp.reducer import Reducer
+from overlapddp.testing import DelayedFence
 from overlapddp.token_weighting import TokenCount
 from tests.fake_cuda import HostReads, RecordingKit
 
@@ -273,3 +276,22 @@ def test_the_guard_makes_gradients_visible_before_step_zero_grad_and_unscale(one
     scaler.update()
     optimizer.zero_grad(set_to_none=False)
     assert fence.calls == [2, 2, 2]  # unscale_, step, zero_grad: each with both gradients
+
+
+# -- race forcing: the copy-in and copy-out delays touch nothing else ----------------------------------
+
+
+@pytest.mark.parametrize("stage", ["production", "consumption"])
+def test_copy_delays_delay_only_their_copy_and_leave_the_collective_alone(stage):
+    fence = DelayedFence(Fence(), 0.05, stage)
+    future = _done([torch.zeros(1)])
+    started = time.perf_counter()
+    fence.filling(0)
+    filled = time.perf_counter()
+    fence.produced(0, torch.zeros(1))
+    fence.launch(0, lambda: future)
+    assert fence.inner._in_flight[0] is future  # neither delayed nor wrapped
+    fence.complete(0)
+    completed = time.perf_counter()
+    assert (filled - started >= 0.05) == (stage == "production")
+    assert (completed - filled >= 0.05) == (stage == "consumption")
