@@ -51,6 +51,7 @@ class DelayedReduction:
 
     def launch(self, fence: Fence) -> None:
         """Copy the gradients in (zeros for ``None``), divide by the world size and start the SUM."""
+        fence.filling(FENCE_KEY)
         self._storage.copy_in([p.grad for p in self.params], None, self._process_group.size())
         buffer = self._storage.buffer
         fence.produced(FENCE_KEY, buffer)
@@ -76,7 +77,7 @@ class DelayedReduction:
                 "choose as param_to_hook_all_reduce a parameter whose gradient is computed after all of theirs."
             )
         self._storage.copy_out(self._storage.buffer, [True] * len(self.params), as_view=False)
-        fence.consumed(FENCE_KEY, "copy to param.grad")
+        fence.consumed(FENCE_KEY, "copy to param.grad", [p.grad for p in self.params])
 
     def abandon(self) -> None:
         """Forget an unfinished iteration; the buffer a collective may still write is replaced."""

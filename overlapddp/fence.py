@@ -2,7 +2,10 @@
 
 Edges, per bucket and iteration, in the order they must happen:
 
-1. *produced*: the bucket's buffer holds every local gradient (written on the producer stream).
+0. *filling* (not logged): the producer is about to overwrite the buffer; on CUDA its stream first
+   waits until the previous iteration's copy-out (on the consumer stream) has read it.
+1. *produced*: the bucket's buffer holds every local gradient (written on the producer stream, the
+   stream current when the bucket was filled).
 2. *launched*: the collective started, ordered after 1 (on CUDA the communication stream waits on
    an event the producer recorded).
 3. *completed*: the collective's result is final and visible to the consumer (CPU: its future was
@@ -12,17 +15,19 @@ Edges, per bucket and iteration, in the order they must happen:
 
 :meth:`Fence.complete` is the only way to obtain a bucket's reduced tensor, so "no read before
 completion" holds by construction. A :class:`FenceLog` (a debug option) records every edge so tests
-can check the order without a GPU.
+can check the order without a GPU. The CUDA design (who records, who waits) is in docs/cuda.md.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.futures import Future
+
+from overlapddp.device_streams import CudaKit
 
 EDGE_ORDER = ("produced", "launched", "completed", "consumed")
 BACKWARD_END = "backward end"  # not a bucket edge: when the end-of-backward callback started
@@ -113,6 +118,9 @@ class Fence:
     def _stream_name(self) -> str:
         return "cpu"
 
+    def filling(self, bucket: int) -> None:
+        """Edge 0: the producer is about to overwrite the bucket; on CPU every read of it is over."""
+
     def produced(self, bucket: int, buffer: torch.Tensor) -> None:
         """Edge 1: the producer has written ``buffer``; on CPU that already happened on this thread."""
         self._buffers[bucket] = buffer
@@ -134,7 +142,7 @@ class Fence:
         future = self._in_flight.pop(bucket, None)
         if future is None:
             raise RuntimeError(f"Bucket {bucket} was asked for its result but was never launched.")
-        value = future.wait()
+        value = self._wait(future)
         finished = None
         if bucket in self._launched_at:  # logging with host-visible completion
             now = time.perf_counter()
@@ -143,8 +151,12 @@ class Fence:
         self._record(bucket, "completed", "finalize", at=finished)
         return value
 
-    def consumed(self, bucket: int, consumer: str) -> None:
-        """Edge 4: a reader used the completed result (logged only; completion already ordered it)."""
+    def _wait(self, future: Future) -> Any:
+        return future.wait()
+
+    def consumed(self, bucket: int, consumer: str, written: Sequence[torch.Tensor] = ()) -> None:
+        """Edge 4: a reader used the completed result, writing ``written`` (logged only on CPU;
+        completion already ordered it)."""
         self._record(bucket, "consumed", consumer)
 
     def backward_ended(self) -> None:
@@ -155,8 +167,9 @@ class Fence:
         """Every bucket of this iteration was completed and consumed."""
         self.iteration += 1
 
-    def make_visible(self, strict: bool) -> None:
-        """Order the caller after every completed reduction; on CPU completion already did."""
+    def make_visible(self, strict: bool, gradients: Sequence[torch.Tensor] = ()) -> None:
+        """Order the caller, about to read or write ``gradients``, after every completed reduction
+        and copy-out; on CPU completion already did."""
 
     def in_flight(self) -> list[int]:
         """Buckets whose collective was launched and not yet completed."""
@@ -174,31 +187,42 @@ class CudaFence(Fence):
     """CUDA fence: collectives run on a communication stream ordered by events, never by the host.
 
     ``work.wait()`` on the host is not enough on CUDA: the stream that reads the gradient must wait
-    on an event recorded after the collective, which is what ``complete`` does.
+    on an event recorded after the collective, which is what ``complete`` does. Streams, events and
+    waits come from ``kit`` (a recording fake in tests).
     """
 
     futures_complete_when_done = False
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, kit: CudaKit | None = None) -> None:
         super().__init__()
-        # Stream the collectives are issued on; it waits on each bucket's ``_produced`` event and
-        # the consumer waits on it through each bucket's completion event.
-        self._comm_stream = torch.cuda.Stream(device=device)
-        # Event recorded on the producer (autograd) stream after a bucket's copy-in; the
-        # communication stream waits on it in ``launch``, which then drops it.
-        self._produced: dict[int, torch.cuda.Event] = {}
-        # Event recorded on the communication stream after each bucket's collective, and the stream
-        # that consumed it in ``complete``; another stream (an optimizer on a side stream) waits on
-        # them in ``make_visible``. Replaced every iteration.
-        self._completed: dict[int, torch.cuda.Event] = {}
-        self._consumer: torch.cuda.Stream | None = None
+        self._kit = CudaKit(device) if kit is None else kit
+        # Stream the collectives are issued on; it waits on each bucket's ``_produced`` event, and
+        # the consumer waits on it through the event ``complete`` records after the collective.
+        self._comm_stream = self._kit.new_stream()
+        # Event recorded on the producer stream (current when the bucket was filled) after the
+        # copy-in; the communication stream waits on it in ``launch``, which then drops it.
+        self._produced: dict[int, Any] = {}
+        # Event recorded on the consumer stream after a bucket's copy-out (``consumed``); the next
+        # iteration's producer stream waits on it in ``filling`` before overwriting the buffer.
+        self._released: dict[int, Any] = {}
+        # Stream that ran the last copy-out (current in ``complete``); a reader on another stream
+        # (an optimizer on a side stream) waits on all of it in ``make_visible``.
+        self._consumer: Any | None = None
 
     def _stream_name(self) -> str:
-        return f"cuda stream {torch.cuda.current_stream(self._comm_stream.device).stream_id}"
+        return f"cuda stream {self._kit.current_stream().stream_id}"
+
+    def filling(self, bucket: int) -> None:
+        released = self._released.pop(bucket, None)
+        if released is not None:
+            self._kit.wait_event(self._kit.current_stream(), released, "released")
 
     def produced(self, bucket: int, buffer: torch.Tensor) -> None:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self._comm_stream.device))
+        producer = self._kit.current_stream()
+        event = self._kit.new_event()
+        event.record(producer)
+        # The buffer may be dropped (a rebuild, an error) while the copy-in is still queued.
+        self._kit.record_stream(buffer, producer)
         self._produced[bucket] = event
         super().produced(bucket, buffer)
 
@@ -206,28 +230,41 @@ class CudaFence(Fence):
         event = self._produced.pop(bucket, None)
         if event is None:
             raise RuntimeError(f"Bucket {bucket} was launched before it was produced.")
-        with torch.cuda.stream(self._comm_stream):
-            self._comm_stream.wait_event(event)
+        with self._kit.use(self._comm_stream):
+            self._kit.wait_event(self._comm_stream, event, "produced")
             super().launch(bucket, start)
-            # The buffer is used on the communication stream: keep its memory from being reused
-            # by the caching allocator before that stream's work on it is done (a sparse gradient's
-            # memory is its indices and values).
-            buffer = self._buffers[bucket]
-            for tensor in (buffer._indices(), buffer._values()) if buffer.is_sparse else (buffer,):
-                tensor.record_stream(self._comm_stream)
+            self._kit.record_stream(self._buffers[bucket], self._comm_stream)
+
+    def _wait(self, future: Future) -> Any:
+        return self._kit.wait_future(future, "collective")
 
     def complete(self, bucket: int) -> object:
-        with torch.cuda.stream(self._comm_stream):
+        with self._kit.use(self._comm_stream):
             value = super().complete(bucket)
-            done = torch.cuda.Event()
+            done = self._kit.new_event()
             done.record(self._comm_stream)
-        self._consumer = torch.cuda.current_stream(self._comm_stream.device)
-        self._consumer.wait_event(done)
-        self._completed[bucket] = done
+        consumer = self._kit.current_stream()
+        self._kit.wait_event(consumer, done, "completed")
+        # The consumer reads the result (the bucket's buffer, or a tensor a hook made on another
+        # stream): neither may be reused before the copy-out has run, even if dropped before that.
+        for tensor in _tensors_of(value):
+            self._kit.record_stream(tensor, consumer)
+        self._consumer = consumer
         return value
 
-    def make_visible(self, strict: bool) -> None:
-        current = torch.cuda.current_stream(self._comm_stream.device)
+    def consumed(self, bucket: int, consumer: str, written: Sequence[torch.Tensor] = ()) -> None:
+        stream = self._kit.current_stream()
+        released = self._kit.new_event()
+        released.record(stream)
+        self._released[bucket] = released
+        # The gradients were allocated on the producer stream and written here: a zero_grad that
+        # drops them must not let that stream reuse their memory before this write has run.
+        for tensor in written:
+            self._kit.record_stream(tensor, stream)
+        super().consumed(bucket, consumer, written)
+
+    def make_visible(self, strict: bool, gradients: Sequence[torch.Tensor] = ()) -> None:
+        current = self._kit.current_stream()
         if self._consumer is None or current == self._consumer:
             return
         if strict:
@@ -236,14 +273,39 @@ class CudaFence(Fence):
                 f"visible to stream {self._consumer.stream_id} only; make it wait on that stream, or attach the "
                 "optimizer with strict=False to let the guard insert the wait."
             )
-        for event in self._completed.values():
-            current.wait_event(event)
+        # The copy-out into param.grad ran on the consumer stream after the collectives: wait for it
+        # all, not only for the collectives' events.
+        self._kit.wait_stream(current, self._consumer, "reader")
+        for gradient in gradients:
+            self._kit.record_stream(gradient, current)
 
     def abandon(self) -> list[int]:
         self._produced.clear()
         return super().abandon()
 
 
-def fence_for(device: torch.device) -> Fence:
-    """The fence that matches where the gradients live."""
+def _tensors_of(value: object) -> list[torch.Tensor]:
+    """The tensors a collective's future resolved to (a tensor or a list of them)."""
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return [t for t in items if isinstance(t, torch.Tensor)]
+
+
+def fence_for(devices: dict[str, torch.device]) -> Fence:
+    """The fence that matches where the gradients (``devices``: parameter name -> device) live.
+
+    One fence orders one device's streams, so a module spread over several GPUs is refused.
+    """
+    where: dict[torch.device, list[str]] = {}
+    for name, device in devices.items():
+        where.setdefault(device, []).append(name)
+    if len(where) > 1:
+        listed = "; ".join(
+            f"{d}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}" for d, names in where.items()
+        )
+        raise ValueError(
+            f"OverlapDDP reduces a module that lives on one device, but its parameters are on {len(where)} "
+            f"devices ({listed}). Move the module to one GPU (one process per GPU), or use "
+            "torch.nn.parallel.DistributedDataParallel for a module spread over several devices."
+        )
+    device = next(iter(where))
     return CudaFence(device) if device.type == "cuda" else Fence()

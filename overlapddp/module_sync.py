@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+
+from overlapddp.device_streams import device_context
 
 BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
 
@@ -19,8 +21,7 @@ def verify_same_parameters(
     rank sees every rank's description, so every rank raises the same message.
     """
     mine = [(name, tuple(p.shape), tuple(p.stride()), str(p.dtype)) for name, p in zip(names, params)]
-    everyone: list[list[tuple] | None] = [None] * process_group.size()
-    dist.all_gather_object(everyone, mine, group=process_group)
+    everyone = gather_objects(mine, process_group, params[0].device)
     reference = everyone[0]
     for rank, theirs in enumerate(everyone[1:], start=1):
         if len(theirs) != len(reference):
@@ -35,6 +36,15 @@ def verify_same_parameters(
                     f"OverlapDDP expects the same model on every rank, but parameter {index} differs: "
                     f"rank 0 has {_describe(ours)}, rank {rank} has {_describe(other)}."
                 )
+
+
+def gather_objects(obj: Any, process_group: dist.ProcessGroup, device: torch.device) -> list[Any]:
+    """Every rank's ``obj``, in rank order, with the collective on ``device`` (the module's), not on
+    whatever CUDA device happens to be current (cuda:0 on every rank unless the script set it)."""
+    everyone: list[Any] = [None] * process_group.size()
+    with device_context(device):
+        dist.all_gather_object(everyone, obj, group=process_group)
+    return everyone
 
 
 def _describe(entry: tuple) -> str:

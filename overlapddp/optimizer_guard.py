@@ -3,8 +3,9 @@
 Attached with ``OverlapDDP.attach_optimizer(optimizer)``. Before ``step()`` reads a gradient it
 checks the reducer: no bucket of the current backward may still be reducing, the gradients must
 come from a synchronized backward (not only ``no_sync`` ones), and they must be new since the last
-step. On CUDA it also makes the stream that runs ``step()`` wait for the reductions, so a step on
-another stream than backward still reads final values.
+step. On CUDA it also makes the stream that runs ``step()`` (or ``zero_grad()``, or the scaler's
+``unscale_``) wait for the reductions and the copies into ``param.grad``, so a step on another
+stream than backward still reads final values.
 
 The same checks guard ``zero_grad()`` and, when a scaler is given, ``scaler.unscale_(optimizer)``
 (also called by ``scaler.step``), before they touch a gradient. Other in-place writes from inside
@@ -88,7 +89,12 @@ class OptimizerGuard:
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.check("optimizer.step()")
-        self._reducer.fence.make_visible(strict=self.strict)
+        self._make_visible()
+
+    def _make_visible(self) -> None:
+        """Order the current stream after the reductions and copy-outs of every gradient."""
+        gradients = [p.grad for p in self._reducer.params if p.grad is not None]
+        self._reducer.fence.make_visible(strict=self.strict, gradients=gradients)
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._stepped_at = self._reducer.reductions
@@ -100,10 +106,11 @@ class OptimizerGuard:
                 f"optimizer.zero_grad() was called while buckets {busy} are still being reduced on rank "
                 f"{self._reducer.rank}; the reduction would write into or read from cleared gradients."
             )
+        self._make_visible()
         return self._unguarded_zero_grad(*args, **kwargs)
 
     def _unscale(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer is self.optimizer:
             self.check("GradScaler.unscale_()")
-            self._reducer.fence.make_visible(strict=self.strict)
+            self._make_visible()
         self._unguarded_unscale(optimizer)

@@ -69,8 +69,15 @@ class UsageMap:
         self.local[index] = 1
 
     def launch_reduction(self, process_group: dist.ProcessGroup) -> None:
-        """Start summing the flags over ranks; the result is awaited only if needed."""
-        self._sent.copy_(self.local)
+        """Start summing the flags over ranks; the result is awaited only if needed.
+
+        On CUDA the flags go through a fresh pinned copy, so the copy is asynchronous (no host sync
+        inside the last autograd hook) and the next backward's ``mark_used`` cannot change them
+        while it is queued (the pinned allocator keeps the block until the copy has run)."""
+        if self._sent.is_cuda:
+            self._sent.copy_(self.local.pin_memory(), non_blocking=True)
+        else:
+            self._sent.copy_(self.local)
         self._reduction = dist.all_reduce(self._sent, group=process_group, async_op=True).get_future()
         self._global = None
 
@@ -89,9 +96,11 @@ class UsageMap:
         return bool(self._global[index])
 
     def settle(self) -> None:
-        """Wait for this backward's reduction if nobody needed it yet, so none is left in flight."""
+        """Order this backward's reduction before the next write of the flags, without reading
+        them: on CUDA the current stream waits for it, and the host blocks only when a parameter
+        was locally unused (``globally_used``), as in DDP."""
         if self._reduction is not None and self._global is None:
-            self._global = self._reduction.wait()[0].to("cpu", copy=True)
+            self._reduction.wait()
 
     def reset(self) -> None:
         """Start counting a new iteration (dynamic graphs); a static graph keeps its first map."""

@@ -25,6 +25,7 @@ from overlapddp.bucket_storage import BucketStorage
 from overlapddp.comm_hook import Bucket, CommHook, allreduce_sum, hook_result, is_unchained, run_hook
 from overlapddp.delayed_reduction import DelayedReduction
 from overlapddp.fence import Fence
+from overlapddp.module_sync import gather_objects
 from overlapddp.param_usage import UsageMap, grad_accumulators, unreachable
 from overlapddp.plan_tuner import CALIBRATION_ITERATIONS, PlanTuner
 from overlapddp.sparse_reduction import SparseBucketStorage
@@ -389,6 +390,7 @@ class Reducer:
         if self._divide_by is None:  # token weighting: the global count is needed from here on
             self._divide_by = self.tokens.total(self.rank)
             self._scale = None if batched else 1.0 / self._divide_by
+        self._fence.filling(index)
         storage.copy_in(
             [p.grad for p in storage.params],
             self._scale,
@@ -402,6 +404,7 @@ class Reducer:
                 (i, p.grad, p.grad._version) for i, p in zip(self.plan.buckets[index], storage.params)
                 if p.grad is not None
             ]
+        self._fence.produced(index, storage.buffer)  # on the stream that wrote the bucket
 
     def _globally_used(self, index: int) -> bool:
         """Whether any rank produced this gradient; a globally unused gradient is left untouched."""
@@ -424,7 +427,6 @@ class Reducer:
         storage = self._storages[index]
         bucket = self._bucket(index, storage.buffer)
         with torch.autograd.profiler.record_function(f"overlapddp.bucket_{index}.launch"):
-            self._fence.produced(index, storage.buffer)
             self._fence.launch(index, lambda: self._start_measured(bucket))
 
     def _start_measured(self, bucket: Bucket) -> torch.futures.Future:
@@ -494,7 +496,8 @@ class Reducer:
                     write = [self._globally_used(i) for i in self.plan.buckets[index]]
                     result = hook_result(value, hook_name, index, storage.buffer)
                     storage.copy_out(result, write, as_view=self.options.gradient_as_bucket_view)
-                    self._fence.consumed(index, "copy to param.grad")
+                    written = [p.grad for p in storage.params if p.grad is not None]
+                    self._fence.consumed(index, "copy to param.grad", written)
                 if self.after_bucket_reduced is not None:
                     self.after_bucket_reduced(storage.params)
                 if measuring:
@@ -550,16 +553,20 @@ class Reducer:
 
     def _check_finite(self, index: int) -> None:
         """Before bucket ``index`` is reduced, make every rank stop if any rank's gradients there are
-        not finite, naming those ranks and parameters (one extra all-reduce per bucket; a debug option)."""
+        not finite, naming those ranks and parameters (one extra all-reduce per bucket; a debug option).
+
+        The flags are computed on the device; the host reads one count per bucket."""
         storage = self._storages[index]
-        bad = [self.names[i] for i, p in zip(self.plan.buckets[index], storage.params)
-               if p.grad is not None and not bool(torch.isfinite(_values(p.grad)).all())]
-        count = torch.tensor([len(bad)], device=storage.buffer.device)
+        present = [(i, p.grad) for i, p in zip(self.plan.buckets[index], storage.params) if p.grad is not None]
+        device = storage.buffer.device
+        flags = torch.stack([torch.isfinite(_values(g)).all().logical_not() for _, g in present]) if present else \
+            torch.zeros(0, dtype=torch.bool, device=device)
+        count = flags.sum(dtype=torch.int64).reshape(1)
         dist.all_reduce(count, group=self.process_group)
         if count.item() == 0:
             return
-        everyone: list[list[str] | None] = [None] * self.process_group.size()
-        dist.all_gather_object(everyone, bad, group=self.process_group)
+        bad = [self.names[i] for (i, _), flag in zip(present, flags.tolist()) if flag]
+        everyone = gather_objects(bad, self.process_group, device)
         found = "; ".join(f"rank {r}: {', '.join(names)}" for r, names in enumerate(everyone) if names)
         self._abandon()
         raise FloatingPointError(

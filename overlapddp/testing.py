@@ -3,7 +3,8 @@
 A training loop that reads a gradient before its collective completes is wrong only when the
 collective is slow, so races hide in local tests. These tools force the slow case:
 
-- :func:`delay_communication` delays one rank's collectives, before launch or before completion;
+- :func:`delay_communication` delays one rank's collectives (before launch or before completion),
+  or its copy into a bucket or out of it (on CUDA: sleep kernels on the stream that does it);
 - :class:`SynchronousReference` trains the obvious way (backward, reduce every gradient and wait,
   then step), the baseline to compare with;
 - :func:`unfenced` removes the fence (test-only!) so a race test can be shown to fail.
@@ -18,25 +19,30 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.futures import Future
 
-from overlapddp.fence import Fence, FenceLog
+from overlapddp.fence import CudaFence, Fence, FenceLog
 from overlapddp.module_sync import broadcast_coalesced
 from overlapddp.wrapper import OverlapDDP
 
-STAGES = ("launch", "completion")
+STAGES = ("launch", "completion", "production", "consumption")
 
 
 class DelayedFence(Fence):
     """Wraps a fence and delays its collectives by ``seconds``, at one stage.
 
     ``launch``: the collective starts late, so the other ranks' collectives wait for it.
-    ``completion``: the collective's future resolves late, so its readers must wait longer.
+    ``completion``: the collective's future resolves late, so its readers must wait longer (on
+    CUDA its result is written late on the callback's stream: NCCL runs callbacks at enqueue).
+    ``production``: the copy into each bucket starts late (CUDA: on the producer stream), so
+    the collective must wait for it.
+    ``consumption``: the copy out of each bucket starts late (CUDA: on the consumer stream), so
+    the next iteration's copy-in and a reader on another stream must wait for it.
     """
 
     def __init__(self, inner: Fence, seconds: float, stage: str) -> None:
@@ -56,6 +62,11 @@ class DelayedFence(Fence):
     def log(self, value: FenceLog | None) -> None:
         self.inner.log = value
 
+    def filling(self, bucket: int) -> None:
+        self.inner.filling(bucket)
+        if self.stage == "production":
+            self._sleep_where_the_copy_runs()
+
     def produced(self, bucket: int, buffer: torch.Tensor) -> None:
         self.inner.produced(bucket, buffer)
 
@@ -63,14 +74,25 @@ class DelayedFence(Fence):
         if self.stage == "launch":
             time.sleep(self.seconds)
             self.inner.launch(bucket, lambda: _after_device_sleep(start, self.seconds))
-        else:
+        elif self.stage == "completion":
             self.inner.launch(bucket, lambda: _resolve_late(start(), self.seconds))
+        else:
+            self.inner.launch(bucket, start)
 
     def complete(self, bucket: int) -> object:
-        return self.inner.complete(bucket)
+        value = self.inner.complete(bucket)
+        if self.stage == "consumption":
+            self._sleep_where_the_copy_runs()
+        return value
 
-    def consumed(self, bucket: int, consumer: str) -> None:
-        self.inner.consumed(bucket, consumer)
+    def _sleep_where_the_copy_runs(self) -> None:
+        if isinstance(self.inner, CudaFence):
+            _device_sleep(self.seconds)
+        else:
+            time.sleep(self.seconds)
+
+    def consumed(self, bucket: int, consumer: str, written: Sequence[torch.Tensor] = ()) -> None:
+        self.inner.consumed(bucket, consumer, written)
 
     def backward_ended(self) -> None:
         self.inner.backward_ended()
@@ -78,8 +100,8 @@ class DelayedFence(Fence):
     def end_iteration(self) -> None:
         self.inner.end_iteration()
 
-    def make_visible(self, strict: bool) -> None:
-        self.inner.make_visible(strict)
+    def make_visible(self, strict: bool, gradients: Sequence[torch.Tensor] = ()) -> None:
+        self.inner.make_visible(strict, gradients)
 
     def in_flight(self) -> list[int]:
         return self.inner.in_flight()
@@ -88,17 +110,32 @@ class DelayedFence(Fence):
         return self.inner.abandon()
 
 
+def _device_sleep(seconds: float) -> None:
+    """A sleep kernel of at least ``seconds`` on the current CUDA stream (it counts clock cycles)."""
+    khz = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "clock_rate", 2_000_000)
+    torch.cuda._sleep(int(seconds * max(khz, 2_000_000) * 1e3))
+
+
 def _after_device_sleep(start: Callable[[], Future], seconds: float) -> Future:
     """On CUDA also delay the stream the collective is issued on (a sleep kernel before it)."""
     if torch.cuda.is_available() and torch.cuda.current_stream() != torch.cuda.default_stream():
-        torch.cuda._sleep(int(seconds * 1e9))  # about a cycle per nanosecond: at least ``seconds``
+        _device_sleep(seconds)
     return start()
 
 
 def _resolve_late(future: Future, seconds: float) -> Future:
     def late(done: Future) -> Any:
-        time.sleep(seconds)
-        return done.value()
+        value = done.value()
+        tensor = value[0] if isinstance(value, (list, tuple)) else value
+        if not (isinstance(tensor, torch.Tensor) and tensor.is_cuda):
+            time.sleep(seconds)
+            return value
+        # The callback's stream (current here) is what the future's readers wait for: delay it,
+        # then write the result on it, so a reader that does not wait reads NaN or garbage.
+        late_copy = torch.full_like(tensor, float("nan"))
+        _device_sleep(seconds)
+        late_copy.copy_(tensor)
+        return [late_copy] if isinstance(value, (list, tuple)) else late_copy
 
     return future.then(late)
 

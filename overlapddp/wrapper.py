@@ -168,7 +168,8 @@ class OverlapDDP(nn.Module, Joinable):
             skip_all_reduce_unused_params=skip_all_reduce_unused_params,
             tuned_plan=bucket_plan == "tuned",
         )
-        self._reducer = Reducer(params, names, self.process_group, fence_for(self.device), caps, sparse, options)
+        fence = fence_for({n: p.device for n, p in trainable})
+        self._reducer = Reducer(params, names, self.process_group, fence, caps, sparse, options)
         self._hook_handles = _register_ready_hooks(self._reducer, params)
         if self._delayed is not None:
             self._reducer.delayed = self._delayed

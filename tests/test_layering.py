@@ -17,6 +17,7 @@ FRAMEWORKS = {"lightning", "pytorch_lightning", "accelerate", "transformers"}
 
 # Lowest first; a module may import only from strictly lower layers.
 LAYERS = [
+    {"device_streams"},
     {"bucket_plan", "bucket_storage", "fence", "comm_hook", "param_usage", "token_weighting", "module_sync",
      "bucket_unscaler", "sparse_reduction"},
     {"tuned_plan", "comm_hook_validation", "timeline", "delayed_reduction", "mixed_precision"},
@@ -27,7 +28,7 @@ LAYERS = [
     {"testing", "__init__"},
 ]
 # Below the wrapper nothing knows nn.Module or module hooks (the reducer is driven by mark_ready).
-BELOW_THE_WRAPPER = set().union(*LAYERS[:5])
+BELOW_THE_WRAPPER = set().union(*LAYERS[:6])
 
 
 def _runtime_imports(path: Path) -> tuple[set[str], bool]:

@@ -96,7 +96,7 @@ MUTATIONS = (
         "wait_skipped",
         "completing a bucket hands out its buffer without waiting for the collective",
         "overlapddp/fence.py",
-        "        value = future.wait()",
+        "        value = self._wait(future)",
         "        value = self._buffers[bucket]",
         ("tests/test_race.py::test_fenced_training_matches_ddp_and_synchronous_reference_every_step_every_repetition"
          "[launch-None]",),
@@ -235,13 +235,15 @@ MUTATIONS = (
         "overlap=True updates a bucket's parameters before its reduced gradients are written",
         "overlapddp/reducer.py",
         "                    storage.copy_out(result, write, as_view=self.options.gradient_as_bucket_view)\n"
-        '                    self._fence.consumed(index, "copy to param.grad")\n'
+        "                    written = [p.grad for p in storage.params if p.grad is not None]\n"
+        '                    self._fence.consumed(index, "copy to param.grad", written)\n'
         "                if self.after_bucket_reduced is not None:\n"
         "                    self.after_bucket_reduced(storage.params)\n",
         "                    if self.after_bucket_reduced is not None:\n"
         "                        self.after_bucket_reduced(storage.params)\n"
         "                    storage.copy_out(result, write, as_view=self.options.gradient_as_bucket_view)\n"
-        '                    self._fence.consumed(index, "copy to param.grad")\n',
+        "                    written = [p.grad for p in storage.params if p.grad is not None]\n"
+        '                    self._fence.consumed(index, "copy to param.grad", written)\n',
         (f"{OVERLAP}::test_overlapped_updates_are_bit_equal_to_ddp_then_step[2]",),
     ),
     Mutation(

@@ -1,7 +1,7 @@
 """CUDA: two ranks on one GPU (gloo over CUDA tensors), training on a non-default user stream, with
 the communication stream delayed by sleep kernels; bit-equal to stock DDP every step.
 
-Skips without a GPU. Not yet run on a GPU in this project's CI (which has none).
+Skips without a GPU. Not yet run on a GPU (see docs/cuda.md for what ran where).
 """
 
 from __future__ import annotations
@@ -13,12 +13,14 @@ from torch.nn.parallel import DistributedDataParallel
 from overlapddp import OverlapDDP
 from overlapddp.testing import delay_communication
 from tests import models
+from tests.gpu.scenarios import deterministic
 from tests.multiprocess import run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def _train_on_user_stream(rank: int, world_size: int, stage: str) -> list[bool]:
+    deterministic()
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     ours = OverlapDDP(models.build("cnn_bn").to(device), device_ids=[0], bucket_cap_mb=0.001)
