@@ -18,6 +18,7 @@ compiled model runs unsplit (correct, not overlapped).
 
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -187,6 +188,13 @@ def _with_outputs(nodes: list[fx.Node], cuts: tuple[int, ...]) -> list[tuple[int
             pieces.append((start, end))
             start = end
     return pieces
+
+
+def in_compiled_autograd() -> bool:
+    """Whether a compiled-autograd backward is running now (it never runs callbacks queued on the
+    autograd engine, so the end of backward must be noticed another way)."""
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    return bool(getattr(module, "in_compiled_autograd_region", False))
 
 
 _WARNED: list[str] = []

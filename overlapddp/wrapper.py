@@ -23,7 +23,7 @@ from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 from overlapddp.bucket_plan import BucketCaps
 from overlapddp.comm_hook import CommHook
 from overlapddp.comm_hook_validation import builtin_hook, check_comm_hook
-from overlapddp.compile_split import GraphSplitter
+from overlapddp.compile_split import GraphSplitter, in_compiled_autograd
 from overlapddp.fence import FenceLog, fence_for
 from overlapddp.join import OverlapJoinHook, announce_backward_sync, common_rank
 from overlapddp.module_sync import broadcast_coalesced, verify_same_parameters
@@ -495,14 +495,24 @@ def _register_ready_hooks(reducer: Reducer, params: list[torch.Tensor]) -> list[
     reducer_ref = weakref.ref(reducer)
 
     def make_hook(index: int) -> Callable[[torch.Tensor], None]:
+        @torch.compiler.disable  # under compiled autograd: run eagerly, where the gradient is accumulated
         def on_ready(_: torch.Tensor) -> None:
             live = reducer_ref()
             if live is not None and live.mark_ready(index):
-                torch.autograd.Variable._execution_engine.queue_callback(live.finalize)
+                _at_end_of_backward(live.finalize)
 
         return on_ready
 
     return [p.register_post_accumulate_grad_hook(make_hook(i)) for i, p in enumerate(params)]
+
+
+def _at_end_of_backward(callback: Callable[[], None]) -> None:
+    """Queue ``callback`` for the end of this backward; compiled autograd drops queued callbacks, so
+    there it runs now (from the hook of the last gradient, every bucket launched)."""
+    if in_compiled_autograd():
+        callback()
+    else:
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 class _EndOfBackward(torch.autograd.Function):

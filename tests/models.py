@@ -64,6 +64,30 @@ class Checkpointed(nn.Module):
         return self.head(x)
 
 
+class DeepMLP(nn.Module):
+    """Wide layers (2.4 MiB in all) in a user-defined forward, so that ``torch.compile`` traces it as one
+    frame and DDP's splitter cuts it at ``bucket_cap_mb=1``; ``tangle`` adds a non-reentrant
+    checkpoint and a graph break."""
+
+    def __init__(self, width: int = 384, tangle: bool = False) -> None:
+        super().__init__()
+        self.tangle = tangle
+        self.stem = nn.Linear(16, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(4))
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.stem(x))
+        for k, layer in enumerate(self.layers):
+            if self.tangle and k == 1:
+                x = checkpoint(lambda t: torch.tanh(layer(t)), x, use_reentrant=False)
+            else:
+                x = torch.relu(layer(x))
+            if self.tangle and k == 2:
+                torch._dynamo.graph_break()
+        return self.head(x)
+
+
 def build(name: str) -> nn.Module:
     """The model called ``name``, initialized from a fixed seed (identical on every call)."""
     torch.manual_seed(0)
@@ -95,13 +119,17 @@ def build(name: str) -> nn.Module:
         return Branchy(fixed=True)
     if name == "checkpointed":
         return Checkpointed()
+    if name == "deep_mlp":
+        return DeepMLP()
+    if name == "tangled_mlp":
+        return DeepMLP(width=32, tangle=True)
     raise ValueError(f"unknown test model {name!r}")
 
 
 def batch(name: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets that differ per rank and per step, the same for every wrapper."""
     g = torch.Generator().manual_seed(1000 * step + rank)
-    if name in ("mlp", "branchy", "branchy_fixed", "checkpointed"):
+    if name in ("mlp", "branchy", "branchy_fixed", "checkpointed", "deep_mlp", "tangled_mlp"):
         return torch.randn(8, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
     if name in ("cnn_bn", "cnn_frozen", "cnn_channels_last"):
         return torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
