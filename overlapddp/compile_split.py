@@ -31,7 +31,7 @@ from overlapddp.bucket_plan import DEFAULT_FIRST_BUCKET_BYTES
 if TYPE_CHECKING:
     from overlapddp.reducer import Reducer
 
-try:  # the private hooks Dynamo offers DDP; torch 2.4 to 2.14 at least
+try:  # the private hooks Dynamo offers DDP (checked on torch 2.14)
     import torch._dynamo.backends.distributed as _dynamo_distributed
     from torch._C._dynamo.eval_frame import reset_code as _reset_code
     from torch._dynamo.backends.distributed import SubmodCompiler, propagate_dynamo_source, propagate_metadata
@@ -39,7 +39,8 @@ try:  # the private hooks Dynamo offers DDP; torch 2.4 to 2.14 at least
     from torch._dynamo.utils import detect_fake_mode, get_optimize_ddp_mode
     from torch.nn.parallel.distributed import DistributedDataParallel as _DDP
 
-    _MISSING: str | None = None if hasattr(_DDP, "_active_ddp_module") else "DistributedDataParallel._active_ddp_module"
+    _MISSING: str | None = None if hasattr(_DDP, "_active_ddp_module") else "no DistributedDataParallel._active_ddp_module"
+    _ORIGINAL_OPTIMIZER = _dynamo_distributed.DDPOptimizer
 except ImportError as error:  # pragma: no cover - depends on the torch version
     _MISSING = str(error)
 
@@ -86,21 +87,24 @@ class GraphSplitter:
     # Disabled so that under torch.compile(OverlapDDP(model)) Dynamo never traces the splitter itself.
     @torch.compiler.disable
     def __enter__(self) -> None:
-        active = self.enabled and _available()
-        if active:
+        if not self.enabled:
+            self._saved.append(None)
+        elif _MISSING is not None or get_optimize_ddp_mode() != "ddp_optimizer":
+            self._saved.append(_frames_compiled())  # warn in __exit__ if Dynamo compiled anything
+        else:
             follow = self._reducer.has_rebuilt_buckets
             self._follow([list(members) for members in self._reducer.plan.buckets] if follow else None)
             self._saved.append((_DDP._active_ddp_module, _dynamo_distributed.DDPOptimizer))
             _DDP._active_ddp_module = self
             _dynamo_distributed.DDPOptimizer = self._optimizer_for
-        else:
-            self._saved.append(None)
 
     @torch.compiler.disable
     def __exit__(self, *exc: object) -> None:
         saved = self._saved.pop()
-        if saved is not None:
+        if isinstance(saved, tuple):
             _DDP._active_ddp_module, _dynamo_distributed.DDPOptimizer = saved
+        elif isinstance(saved, int) and _frames_compiled() > saved:
+            _warn_unsplit()
 
     def _follow(self, buckets: list[list[int]] | None) -> None:
         """Adopt ``buckets``; drop compiled frames whose cuts they move (Dynamo traces them again)."""
@@ -197,23 +201,25 @@ def in_compiled_autograd() -> bool:
     return bool(getattr(module, "in_compiled_autograd_region", False))
 
 
-_WARNED: list[str] = []
+def _frames_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["total"]
 
 
-def _available() -> bool:
-    """Whether this torch offers the hooks (and DDP optimization is on); warns once when not."""
-    reason = _MISSING
-    if reason is None and get_optimize_ddp_mode() != "ddp_optimizer":
-        reason = f"torch._dynamo.config.optimize_ddp is {torch._dynamo.config.optimize_ddp!r}, not True"
-    if reason is not None and reason not in _WARNED:
-        _WARNED.append(reason)
-        warnings.warn(
-            f"OverlapDDP cannot split compiled graphs at its buckets with torch {torch.__version__} ({reason}); "
-            "a compiled model is reduced correctly but its buckets launch only after its backward.",
-            UserWarning,
-            stacklevel=3,
-        )
-    return reason is None
+_WARNED: list[bool] = []
 
 
-_ORIGINAL_OPTIMIZER = None if _MISSING else _dynamo_distributed.DDPOptimizer
+def _warn_unsplit() -> None:
+    """Once: this torch lacks the hooks (or DDP optimization is off), so compiled graphs stay whole."""
+    if _WARNED:
+        return
+    _WARNED.append(True)
+    reason = _MISSING or f"torch._dynamo.config.optimize_ddp is {torch._dynamo.config.optimize_ddp!r}, not True"
+    warnings.warn(
+        f"OverlapDDP cannot split compiled graphs at its buckets with torch {torch.__version__} ({reason}); "
+        "the compiled model is reduced correctly, but its buckets launch only at the end of its backward.",
+        UserWarning,
+        stacklevel=3,
+    )
+
