@@ -234,3 +234,18 @@ def test_inductor_in_both_forms_splits_and_launches_early(one_rank):
         model, ours = _slow_stem_model(outer, split=True, backend="inductor")
         assert max(first_launch_fractions(model, ours, steps=4)) < 0.5, FORMS[outer]
         assert all(g.cuts for g in ours._graph_splitter._compiled), FORMS[outer]
+
+
+@pytest.mark.parametrize("plan", ["ddp", "tuned"])
+def test_the_compiled_cuts_follow_every_bucket_layout(one_rank, plan):
+    # After the rebuild and after a tuned re-plan the frames are traced again and cut at the new buckets.
+    torch._dynamo.reset()
+    model = OverlapDDP(torch.compile(models.build("deep_mlp"), backend="aot_eager"), bucket_cap_mb=0.5, bucket_plan=plan)
+    splitter = model._graph_splitter
+    for step in range(model._reducer.final_layout_iteration + 2):
+        inputs, target = models.batch("deep_mlp", 0, step)
+        models.loss_of(model(inputs), target).backward()
+        graphs = splitter._compiled  # before the rebuild: DDP's byte cuts (None)
+        expected = [cut_points(g.first_use, model.bucket_indices()) if model._has_rebuilt_buckets else None for g in graphs]
+        assert graphs and [g.cuts for g in graphs] == expected, step
+    assert splitter.recompiles >= 1
