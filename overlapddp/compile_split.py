@@ -81,7 +81,8 @@ class GraphSplitter:
         self.enabled = True
         self._buckets: list[list[int]] | None = None  # None: cut by bytes, as DDP's splitter
         self._compiled: list[_CompiledGraph] = []
-        self._saved: list[tuple[Any, Any]] = []  # what __enter__ replaced, restored by __exit__
+        # Per open __enter__: what it replaced (restored by __exit__), a frame count to warn by, or None.
+        self._saved: list[tuple[Any, Any] | int | None] = []
         self.recompiles = 0  # frames dropped because the buckets moved their cuts (read by tests)
 
     # Disabled so that under torch.compile(OverlapDDP(model)) Dynamo never traces the splitter itself.
