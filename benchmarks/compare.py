@@ -23,6 +23,10 @@ During the timed steps OverlapDDP records its fence log; ``overlapddp.timeline``
 turns it into the exposed communication per step (last bucket completion minus
 end of backward) and the last bucket to become ready, reported for rank 0.
 
+``--compile inner`` times ``Wrapper(torch.compile(model))`` and ``--compile outer``
+``torch.compile(Wrapper(model))``, both wrappers in the same form, with ``--backend``
+(each variant compiles with its own backend object, so they never share compiled frames).
+
 ``--link-gbps X`` registers ``benchmarks/link.py``'s hook on both variants (each
 with its own emulated link of X Gbit/s per rank); without it no hook is
 registered. ``--plot DIR`` (needs matplotlib) writes a step-time chart and one
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import resource
@@ -181,7 +186,20 @@ def make_variant(ctx: RankContext, label: str, wrapper: type[nn.Module]) -> Vari
     kwargs: dict[str, object] = {}
     if args.bucket_cap_mb is not None:
         kwargs["bucket_cap_mb"] = args.bucket_cap_mb
-    return wrap_variant(ctx, label, module, wrapper, kwargs, args.link_gbps, args.optimizer_overlap)
+    variant = wrap_variant(
+        ctx, label, compiled(module, args) if args.compile == "inner" else module, wrapper, kwargs, args.link_gbps,
+        args.optimizer_overlap,
+    )
+    if args.compile == "outer":
+        variant.model = compiled(variant.model, args)
+    return variant
+
+
+def compiled(module: nn.Module, args: argparse.Namespace) -> nn.Module:
+    """``torch.compile(module)`` with a backend object of its own: Dynamo keys compiled frames by the
+    backend, and two copies of one model class must not run each other's compiled (and cut) graphs."""
+    backend = torch._dynamo.lookup_backend(args.backend)
+    return torch.compile(module, backend=functools.partial(backend))
 
 
 def wrap_variant(
@@ -618,6 +636,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="reduce through an emulated serialized link of X Gbit/s per rank (benchmarks/link.py), "
         "on both variants; default: no hook, DDP's own path",
     )
+    parser.add_argument(
+        "--compile",
+        choices=("none", "inner", "outer"),
+        default="none",
+        help="inner: Wrapper(torch.compile(model)); outer: torch.compile(Wrapper(model)); both variants alike",
+    )
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend for --compile")
     parser.add_argument(
         "--optimizer-overlap",
         action="store_true",

@@ -23,6 +23,7 @@ from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 from overlapddp.bucket_plan import BucketCaps
 from overlapddp.comm_hook import CommHook
 from overlapddp.comm_hook_validation import builtin_hook, check_comm_hook
+from overlapddp.compile_split import GraphSplitter, in_compiled_autograd
 from overlapddp.delayed_reduction import DelayedReduction
 from overlapddp.fence import FenceLog, fence_for
 from overlapddp.join import OverlapJoinHook, announce_backward_sync, common_rank
@@ -174,6 +175,7 @@ class OverlapDDP(nn.Module, Joinable):
         if self._delayed is not None:
             self._reducer.delayed = self._delayed
             self._hook_handles += _register_delayed_hooks(self._reducer, self._delayed, param_to_hook_all_reduce)
+        self._graph_splitter = GraphSplitter(self._reducer, self.bucket_bytes_cap)  # see compile_split.py
         self._comm_hooks: list[tuple[Callable, object]] = []
         self._mixed_precision: tuple[MixedPrecision, ParameterCasts] | None = None
         if precision is not None:
@@ -205,42 +207,51 @@ class OverlapDDP(nn.Module, Joinable):
 
     # The wrapper's own bookkeeping and collectives always run eagerly: under
     # ``torch.compile(OverlapDDP(model))`` Dynamo traces only what the wrapper calls (the module),
-    # never the reducer's collectives or fences.
+    # never the reducer's collectives or fences (the helpers around the module call are disabled).
     @torch.compiler.disable(recursive=False)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the wrapped module; a synchronized forward arms the reduction of its backward."""
         with torch.autograd.profiler.record_function("OverlapDDP.forward"):
-            self._reducer.check_not_in_backward()
-            grad_enabled = torch.is_grad_enabled()
-            joining = self._join_config.enable
-            work = Join.notify_join_context(self)
-            if work is not None:
-                self._reducer.set_join_count(work, self._divide_by_initial_world_size)
-            if grad_enabled:
-                self._reducer.prepare_for_forward()
-            if self.will_sync_module_buffers():
-                self._broadcast_buffers(common_rank(self, True) if joining else 0)
-            if joining:
-                announce_backward_sync(self, self.require_backward_grad_sync)
-            if self.device_ids:
-                target = torch.device(self.device_type, self.device_ids[0])
-                inputs, kwargs = _map_tensors((inputs, kwargs), lambda t: t.to(target, non_blocking=True))
-            if self._mixed_precision is not None:
-                precision, casts = self._mixed_precision
-                casts.to_low()
-                inputs, kwargs = _map_tensors((inputs, kwargs), precision.cast_input)
-            output = self.module(*inputs, **kwargs)
-            if self._mixed_precision is not None and not grad_enabled:
-                casts.to_full()  # no backward will return them (DDP leaves them in param_dtype)
-            if grad_enabled and self.require_backward_grad_sync:
-                self.require_forward_param_sync = True
-                outputs = list(tensors_in(output)) if self.find_unused_parameters else []
-                self._reducer.prepare_for_backward(outputs)
-                if self._reducer.needs_end_of_backward_trigger:
-                    output = _end_of_backward_trigger(output, self._reducer)
-            else:
-                self.require_forward_param_sync = False
-            return output
+            inputs, kwargs = self._pre_forward(inputs, kwargs)
+            # Compiled graphs are cut where the buckets close, so they launch during backward.
+            with self._graph_splitter:
+                output = self.module(*inputs, **kwargs)
+            return self._post_forward(output)
+
+    @torch.compiler.disable
+    def _pre_forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self._reducer.check_not_in_backward()
+        work = Join.notify_join_context(self)
+        if work is not None:
+            self._reducer.set_join_count(work, self._divide_by_initial_world_size)
+        if torch.is_grad_enabled():
+            self._reducer.prepare_for_forward()
+        if self.will_sync_module_buffers():
+            self._broadcast_buffers(common_rank(self, True) if self._join_config.enable else 0)
+        if self._join_config.enable:
+            announce_backward_sync(self, self.require_backward_grad_sync)
+        if self.device_ids:
+            target = torch.device(self.device_type, self.device_ids[0])
+            inputs, kwargs = _map_tensors((inputs, kwargs), lambda t: t.to(target, non_blocking=True))
+        if self._mixed_precision is not None:
+            precision, casts = self._mixed_precision
+            casts.to_low()
+            inputs, kwargs = _map_tensors((inputs, kwargs), precision.cast_input)
+        return inputs, kwargs
+
+    @torch.compiler.disable
+    def _post_forward(self, output: Any) -> Any:
+        if self._mixed_precision is not None and not torch.is_grad_enabled():
+            self._mixed_precision[1].to_full()  # no backward will return them (DDP leaves them in param_dtype)
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            self.require_forward_param_sync = True
+            outputs = list(tensors_in(output)) if self.find_unused_parameters else []
+            self._reducer.prepare_for_backward(outputs)
+            if self._reducer.needs_end_of_backward_trigger:
+                output = _end_of_backward_trigger(output, self._reducer)
+        else:
+            self.require_forward_param_sync = False
+        return output
 
     def _broadcast_buffers(self, source: int) -> None:
         broadcast_coalesced(self.modules_buffers, source, self.process_group)
@@ -572,10 +583,11 @@ def _register_ready_hooks(reducer: Reducer, params: list[torch.Tensor]) -> list[
     reducer_ref = weakref.ref(reducer)
 
     def make_hook(index: int) -> Callable[[torch.Tensor], None]:
+        @torch.compiler.disable  # under compiled autograd: run eagerly, where the gradient is accumulated
         def on_ready(_: torch.Tensor) -> None:
             live = reducer_ref()
             if live is not None and live.mark_ready(index):
-                torch.autograd.Variable._execution_engine.queue_callback(live.finalize)
+                _at_end_of_backward(live.finalize)
 
         return on_ready
 
@@ -602,6 +614,15 @@ def _register_delayed_hooks(reducer: Reducer, delayed: DelayedReduction, hook_pa
 
     handles = [p.register_post_accumulate_grad_hook(make_arrival(i)) for i, p in enumerate(delayed.params)]
     return handles + [hook_param.register_post_accumulate_grad_hook(launch)]
+
+
+def _at_end_of_backward(callback: Callable[[], None]) -> None:
+    """Queue ``callback`` for the end of this backward; compiled autograd drops queued callbacks, so
+    there it runs now (from the hook of the last gradient, every bucket launched)."""
+    if in_compiled_autograd():
+        callback()
+    else:
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 class _EndOfBackward(torch.autograd.Function):

@@ -80,6 +80,35 @@ class RankOrdered(nn.Module):
         return second(torch.tanh(first(x)))
 
 
+class DeepMLP(nn.Module):
+    """Wide layers (2.4 MiB in all) in a user-defined forward, so that ``torch.compile`` traces it as one
+    frame and DDP's splitter cuts it at ``bucket_cap_mb=1``; ``tangle`` adds a non-reentrant
+    checkpoint and a graph break."""
+
+    def __init__(self, width: int = 384, tangle: bool = False) -> None:
+        super().__init__()
+        self.tangle = tangle
+        self.stem = nn.Linear(16, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(4))
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Unrolled: Dynamo gives up on a whole frame whose loop holds a graph break.
+        x = torch.relu(self.layers[0](torch.relu(self.stem(x))))
+        if self.tangle:
+            x = checkpoint(_tanh_layer, self.layers[1], x, use_reentrant=False)
+        else:
+            x = torch.relu(self.layers[1](x))
+        x = torch.relu(self.layers[2](x))
+        if self.tangle:
+            torch._dynamo.graph_break()
+        return self.head(torch.relu(self.layers[3](x)))
+
+
+def _tanh_layer(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(layer(x))
+
+
 def build(name: str) -> nn.Module:
     """The model called ``name``, initialized from a fixed seed (identical on every call)."""
     torch.manual_seed(0)
@@ -113,13 +142,17 @@ def build(name: str) -> nn.Module:
         return Checkpointed()
     if name == "rank_ordered":
         return RankOrdered()
+    if name == "deep_mlp":
+        return DeepMLP()
+    if name == "tangled_mlp":
+        return DeepMLP(tangle=True)
     raise ValueError(f"unknown test model {name!r}")
 
 
 def batch(name: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets that differ per rank and per step, the same for every wrapper."""
     g = torch.Generator().manual_seed(1000 * step + rank)
-    if name in ("mlp", "branchy", "branchy_fixed", "checkpointed", "rank_ordered"):
+    if name in ("mlp", "branchy", "branchy_fixed", "checkpointed", "rank_ordered", "deep_mlp", "tangled_mlp"):
         return torch.randn(8, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
     if name in ("cnn_bn", "cnn_frozen", "cnn_channels_last"):
         return torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)

@@ -24,6 +24,7 @@ LAYERS = [
     {"plan_tuner"},
     {"reducer"},
     {"optimizer_guard", "optimizer_overlap", "join"},
+    {"compile_split"},  # the adapter between Dynamo's graphs and the wrapper (it knows fx, not module hooks)
     {"wrapper"},
     {"testing", "__init__"},
 ]
