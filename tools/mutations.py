@@ -185,8 +185,8 @@ MUTATIONS = (
         "buffers_not_broadcast",
         "forward no longer broadcasts rank 0's buffers (BatchNorm statistics drift apart)",
         "overlapddp/wrapper.py",
-        "                self._broadcast_buffers(common_rank(self, True) if joining else 0)",
-        "                pass",
+        "            self._broadcast_buffers(common_rank(self, True) if self._join_config.enable else 0)",
+        "            pass",
         (JOIN_WS2,),
     ),
     Mutation(
