@@ -27,6 +27,7 @@ from torch.futures import Future
 
 from overlapddp.fence import Fence, FenceLog
 from overlapddp.module_sync import broadcast_coalesced
+from overlapddp.torch_compat import cuda_sleep
 from overlapddp.wrapper import OverlapDDP
 
 STAGES = ("launch", "completion")
@@ -91,7 +92,7 @@ class DelayedFence(Fence):
 def _after_device_sleep(start: Callable[[], Future], seconds: float) -> Future:
     """On CUDA also delay the stream the collective is issued on (a sleep kernel before it)."""
     if torch.cuda.is_available() and torch.cuda.current_stream() != torch.cuda.default_stream():
-        torch.cuda._sleep(int(seconds * 1e9))  # about a cycle per nanosecond: at least ``seconds``
+        cuda_sleep(int(seconds * 1e9))  # about a cycle per nanosecond: at least ``seconds``
     return start()
 
 

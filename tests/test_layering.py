@@ -14,17 +14,18 @@ PACKAGE = Path(__file__).resolve().parent.parent / "overlapddp"
 
 # Lowest first; a module may import only from strictly lower layers.
 LAYERS = [
+    {"torch_compat"},
     {"bucket_plan", "bucket_storage", "fence", "comm_hook", "param_usage", "token_weighting", "module_sync",
      "bucket_unscaler"},
     {"tuned_plan", "comm_hook_validation", "timeline"},
     {"plan_tuner"},
     {"reducer"},
-    {"optimizer_guard", "optimizer_overlap", "join"},
+    {"optimizer_guard", "optimizer_overlap", "join", "pickling"},
     {"wrapper"},
     {"testing", "__init__"},
 ]
 # Below the wrapper nothing knows nn.Module or module hooks (the reducer is driven by mark_ready).
-BELOW_THE_WRAPPER = set().union(*LAYERS[:5])
+BELOW_THE_WRAPPER = set().union(*LAYERS[:6])
 
 
 def _runtime_imports(path: Path) -> tuple[set[str], bool]:
