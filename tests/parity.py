@@ -15,6 +15,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
+from overlapddp.torch_compat import ddp_accepts
 from tests import faults, hooks, models
 from tests.multiprocess import run_ranks
 
@@ -47,6 +48,11 @@ class Scenario:
         if not self.set_to_none:
             extra += "-keep_grads"
         return f"{self.model}-{self.optimizer}-{cap}{extra}" + (f"-FAULT:{self.fault}" if self.fault else "")
+
+
+def ddp_lacks(scenario: Scenario) -> list[str]:
+    """The scenario's arguments that the installed DDP does not take (older torch releases lack some)."""
+    return [name for name, _ in scenario.ddp_kwargs if not ddp_accepts(name)]
 
 
 @dataclass
