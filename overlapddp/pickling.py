@@ -77,7 +77,7 @@ def take_recipe(state: dict[str, Any]) -> ReducerRecipe:
     return state.pop(_RECIPE)
 
 
-def default_group(recipe: ReducerRecipe) -> dist.ProcessGroup:
+def bind_to_default_group(recipe: ReducerRecipe) -> dist.ProcessGroup:
     """The group a copy binds to, as DDP's: the default one (warns about hooks left behind)."""
     if not dist.is_initialized():
         raise RuntimeError(

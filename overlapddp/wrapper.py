@@ -28,7 +28,7 @@ from overlapddp.module_sync import broadcast_coalesced, verify_same_parameters
 from overlapddp.optimizer_guard import OptimizerGuard
 from overlapddp.optimizer_overlap import OverlappedOptimizer
 from overlapddp.param_usage import tensors_in
-from overlapddp.pickling import default_group, pickled_state, take_recipe
+from overlapddp.pickling import bind_to_default_group, pickled_state, take_recipe
 from overlapddp.reducer import Reducer, ReducerOptions
 from overlapddp.torch_compat import let_dcp_unwrap, queue_callback, to_kwargs
 
@@ -375,7 +375,7 @@ class OverlapDDP(nn.Module, Joinable):
     def __setstate__(self, state: dict[str, Any]) -> None:
         """As DDP: bind to the default process group and build a new reducer, as at construction."""
         recipe = take_recipe(state)
-        group = default_group(recipe)
+        group = bind_to_default_group(recipe)
         super().__setstate__(state)
         self.process_group = group
         self._reducer = recipe.build(dict(self.module.named_parameters()), group)
