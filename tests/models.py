@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torchvision
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -76,6 +75,8 @@ def build(name: str) -> nn.Module:
             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
         )
     if name == "resnet18":
+        import torchvision  # only here: a torch release can come before its torchvision
+
         return torchvision.models.resnet18(num_classes=10)
     if name == "transformer":
         return TinyLM()

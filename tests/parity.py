@@ -7,6 +7,7 @@ bucket layouts are compared index by index.
 
 from __future__ import annotations
 
+import importlib.util
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -50,9 +51,13 @@ class Scenario:
         return f"{self.model}-{self.optimizer}-{cap}{extra}" + (f"-FAULT:{self.fault}" if self.fault else "")
 
 
-def ddp_lacks(scenario: Scenario) -> list[str]:
-    """The scenario's arguments that the installed DDP does not take (older torch releases lack some)."""
-    return [name for name, _ in scenario.ddp_kwargs if not ddp_accepts(name)]
+def missing_for(scenario: Scenario) -> list[str]:
+    """What the installed torch lacks for ``scenario``: DDP arguments (older releases lack some), or
+    torchvision (a new torch release can come before its torchvision)."""
+    missing = [name for name, _ in scenario.ddp_kwargs if not ddp_accepts(name)]
+    if scenario.model == "resnet18" and importlib.util.find_spec("torchvision") is None:
+        missing.append("torchvision")
+    return missing
 
 
 @dataclass
