@@ -22,7 +22,7 @@ vision="torchvision==0.$((minor + 15)).*"
 export PIP_CONFIG_FILE=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1
 if ! "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$version')" 2>/dev/null; then
     python3 -m venv "$venv"
-    "$venv/bin/pip" install -q "torch==$version" pytest
+    "$venv/bin/pip" install -q "torch==$version" pytest numpy  # numpy: all_gather_object needs it
     "$venv/bin/pip" install -q "torch==$version" "$vision" \
         || echo "torch_versions: no $vision for torch $version; continuing without torchvision"
 fi
