@@ -11,6 +11,8 @@ from typing import Sequence
 
 import torch
 
+from overlapddp.torch_compat import foreach_copy_, foreach_div_, foreach_mul_
+
 
 def _is_dense_permutation(tensor: torch.Tensor) -> bool:
     """True when the tensor covers exactly ``numel`` elements in some dimension order.
@@ -91,15 +93,15 @@ class BucketStorage:
                 if grad is None:
                     view.zero_()
             if copied:
-                torch._foreach_copy_([v for v, _ in copied], [g for _, g in copied])
+                foreach_copy_([v for v, _ in copied], [g for _, g in copied])
             if not any(aliased):
                 if multiply_by is not None:
                     self.buffer.mul_(multiply_by)
             else:
                 if multiply_by is not None and copied:
-                    torch._foreach_mul_([v for v, _ in copied], multiply_by)
+                    foreach_mul_([v for v, _ in copied], multiply_by)
                 if alias_divide_by is not None:
-                    torch._foreach_div_([v for v, a in zip(self.views, aliased) if a], alias_divide_by)
+                    foreach_div_([v for v, a in zip(self.views, aliased) if a], alias_divide_by)
             if divide_by is not None:
                 self.buffer.div_(divide_by)
 
@@ -123,7 +125,7 @@ class BucketStorage:
         with torch.no_grad():
             if as_view:
                 if result is not self.buffer and chosen:
-                    torch._foreach_copy_([self.views[i] for i in chosen], reduced)
+                    foreach_copy_([self.views[i] for i in chosen], reduced)
                 for i in chosen:
                     if self.params[i].grad is None:
                         self.params[i].grad = self.views[i]
@@ -132,7 +134,7 @@ class BucketStorage:
                 if self.params[i].grad is None:
                     self.params[i].grad = _empty_like_param(self.params[i])
             if chosen:
-                torch._foreach_copy_([self.params[i].grad for i in chosen], reduced)
+                foreach_copy_([self.params[i].grad for i in chosen], reduced)
 
 
 def _empty_like_param(param: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks
 from torch.futures import Future
 
+from overlapddp.torch_compat import FUTURE_TYPES
+
 CommHook = Callable[[Any, "Bucket"], Future]
 
 
@@ -107,7 +109,7 @@ def run_hook(hook: CommHook, state: Any, bucket: Bucket, after: Future | None) -
         after.add_done_callback(lambda _: done.set())
         done.wait()
     future = hook(state, bucket)
-    if not isinstance(future, torch._C.Future):  # collectives' futures are the C type, not Future
+    if not isinstance(future, FUTURE_TYPES):  # collectives' futures are the C type, not Future
         failed: Future = Future()
         failed.set_exception(
             TypeError(

@@ -109,7 +109,7 @@ class ReduceInPrecision:
         if self._end_queued or torch._C._current_graph_task_id() == -1:
             return
         self._end_queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._restore_all)
+        queue_callback(self._restore_all)
 
     def _restore_all(self) -> None:
         self._end_queued = False

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from overlapddp.device_streams import device_context
+from overlapddp.torch_compat import foreach_copy_
 
 BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
 
@@ -66,7 +67,7 @@ def broadcast_coalesced(
                 flat = torch.cat([t.reshape(-1) for t in chunk])
                 dist.broadcast(flat, src=global_src, group=process_group)
                 pieces = flat.split([t.numel() for t in chunk])
-                torch._foreach_copy_(chunk, [piece.view_as(t) for piece, t in zip(pieces, chunk)])
+                foreach_copy_(chunk, [piece.view_as(t) for piece, t in zip(pieces, chunk)])
 
 
 def _chunks(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

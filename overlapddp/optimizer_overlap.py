@@ -19,6 +19,7 @@ import torch
 
 from overlapddp.bucket_unscaler import BucketUnscaler
 from overlapddp.reducer import Reducer
+from overlapddp.torch_compat import foreach_mul_, foreach_norm
 
 # Per-parameter update rules (SGD with momentum, weight decay, nesterov; Adam; AdamW): a parameter's
 # new value depends only on its own gradient and state, so the update can be split by bucket.
@@ -114,7 +115,7 @@ class OverlappedOptimizer:
         if not grads:
             return
         with torch.no_grad():
-            for p, norm in zip(grads, torch._foreach_norm([p.grad for p in grads], self.norm_type)):
+            for p, norm in zip(grads, foreach_norm([p.grad for p in grads], self.norm_type)):
                 self._norms[id(p)] = norm
 
     def _finish(self) -> None:
@@ -148,7 +149,7 @@ class OverlappedOptimizer:
                 total = torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), self.norm_type)
                 coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
                 for (device, _), members in groups.items():
-                    torch._foreach_mul_([p.grad for p in members], coef.to(device))
+                    foreach_mul_([p.grad for p in members], coef.to(device))
 
     def _step(self, closure: Any = None) -> None:
         """Return once every bucket's update has run (they run during backward's end)."""

@@ -30,6 +30,7 @@ from overlapddp.param_usage import UsageMap, grad_accumulators, unreachable
 from overlapddp.plan_tuner import CALIBRATION_ITERATIONS, PlanTuner
 from overlapddp.sparse_reduction import SparseBucketStorage
 from overlapddp.token_weighting import TokenCount
+from overlapddp.torch_compat import in_backward
 
 
 class ReducerState(enum.Enum):
@@ -176,6 +177,16 @@ class Reducer:
         return ddp + (CALIBRATION_ITERATIONS if self._tuner is not None else 0)
 
     @property
+    def caps(self) -> BucketCaps:
+        """The byte caps the buckets are planned with (a copy of the wrapper plans with them again)."""
+        return self._caps
+
+    @property
+    def sparse_gradient(self) -> list[bool]:
+        """Per parameter, whether its gradient is sparse (as given to the constructor)."""
+        return list(self._sparse_gradient)
+
+    @property
     def has_rebuilt_buckets(self) -> bool:
         """True once the ready-order rebuild has happened (or will never happen)."""
         return not self._rebuild_pending
@@ -275,7 +286,7 @@ class Reducer:
 
     def check_not_in_backward(self) -> None:
         """A forward from inside backward (a hook) would interleave its collectives with the buckets'."""
-        if torch._C._current_graph_task_id() != -1 and self.in_flight():
+        if in_backward() and self.in_flight():
             raise RuntimeError(
                 f"forward() was called during backward on rank {self.rank} while buckets {self.in_flight()} "
                 "are being reduced; run the next forward after loss.backward() has returned."

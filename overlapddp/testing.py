@@ -28,6 +28,7 @@ from torch.futures import Future
 
 from overlapddp.fence import CudaFence, Fence, FenceLog
 from overlapddp.module_sync import broadcast_coalesced
+from overlapddp.torch_compat import cuda_sleep
 from overlapddp.wrapper import OverlapDDP
 
 STAGES = ("launch", "completion", "production", "consumption")
@@ -113,7 +114,7 @@ class DelayedFence(Fence):
 def _device_sleep(seconds: float) -> None:
     """A sleep kernel of at least ``seconds`` on the current CUDA stream (it counts clock cycles)."""
     khz = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "clock_rate", 2_000_000)
-    torch.cuda._sleep(int(seconds * max(khz, 2_000_000) * 1e3))
+    cuda_sleep(int(seconds * max(khz, 2_000_000) * 1e3))
 
 
 def _after_device_sleep(start: Callable[[], Future], seconds: float) -> Future:

@@ -17,7 +17,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from torch.distributed.algorithms.join import Join, Joinable
-from torch.distributed.utils import _to_kwargs
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
 from overlapddp.bucket_plan import BucketCaps
@@ -32,7 +31,9 @@ from overlapddp.module_sync import broadcast_coalesced, verify_same_parameters
 from overlapddp.optimizer_guard import OptimizerGuard
 from overlapddp.optimizer_overlap import OverlappedOptimizer
 from overlapddp.param_usage import tensors_in
+from overlapddp.pickling import bind_to_default_group, pickled_state, take_recipe
 from overlapddp.reducer import Reducer, ReducerOptions
+from overlapddp.torch_compat import let_dcp_unwrap, queue_callback, to_kwargs
 
 # "ddp": DDP's exact layout (bit-equal at every world size); "tuned": sized from a measured backward
 # and link after a few iterations (tuned_plan.py), the same reduction in other buckets.
@@ -316,7 +317,7 @@ class OverlapDDP(nn.Module, Joinable):
         """``inputs`` and ``kwargs`` moved to device ``device_id`` of this model's type, as DDP returns them:
         a tuple of input tuples and a tuple of kwargs dicts, padded to the same length."""
         # torch's own helper (DDP's), so lists, named tuples and PackedSequence come back as DDP returns them.
-        return _to_kwargs(inputs, kwargs, torch.device(self.device_type, device_id), False)
+        return to_kwargs(inputs, kwargs, torch.device(self.device_type, device_id))
 
     def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device_ids: list[int]) -> tuple[tuple, tuple]:
         """Split the inputs along ``dim`` over ``device_ids`` (``torch.nn.parallel.scatter_kwargs``)."""
@@ -420,6 +421,22 @@ class OverlapDDP(nn.Module, Joinable):
     def _has_rebuilt_buckets(self) -> bool:
         return self._reducer.has_rebuilt_buckets
 
+    # -- copies and pickles (pickling.py) --------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """As DDP: everything but the process group and the reducer (``copy.deepcopy``, ``torch.save``)."""
+        return pickled_state(self.__dict__, self._comm_hooks)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """As DDP: bind to the default process group and build a new reducer, as at construction."""
+        recipe = take_recipe(state)
+        group = bind_to_default_group(recipe)
+        super().__setstate__(state)
+        self.process_group = group
+        self._reducer = recipe.build(dict(self.module.named_parameters()), group)
+        self._hook_handles = _register_ready_hooks(self._reducer, self._reducer.params)
+        self._graph_splitter = GraphSplitter(self._reducer, self.bucket_bytes_cap)
+
     # -- uneven inputs ---------------------------------------------------------------------------
 
     def join(
@@ -452,6 +469,11 @@ class OverlapDDP(nn.Module, Joinable):
     @property
     def join_process_group(self) -> dist.ProcessGroup:
         return self.process_group
+
+
+# DCP's state-dict helpers (get_model_state_dict, get_state_dict, ...) drop OverlapDDP's ``module.``
+# prefix as they drop DDP's, so checkpoints move between the two.
+let_dcp_unwrap(OverlapDDP)
 
 
 def _check_per_bucket_state(state: object, final_layout_iteration: int) -> None:
@@ -622,7 +644,7 @@ def _at_end_of_backward(callback: Callable[[], None]) -> None:
     if in_compiled_autograd():
         callback()
     else:
-        torch.autograd.Variable._execution_engine.queue_callback(callback)
+        queue_callback(callback)
 
 
 class _EndOfBackward(torch.autograd.Function):
@@ -642,7 +664,7 @@ class _EndOfBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         if not getattr(ctx, "queued", False):
             ctx.queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(ctx.reducer.reduce_learned_graph)
+            queue_callback(ctx.reducer.reduce_learned_graph)
         return (None, *grads)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torchvision
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -121,6 +120,8 @@ def build(name: str) -> nn.Module:
             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
         )
     if name == "resnet18":
+        import torchvision  # only here: a torch release can come before its torchvision
+
         return torchvision.models.resnet18(num_classes=10)
     if name == "transformer":
         return TinyLM()

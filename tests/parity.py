@@ -7,6 +7,7 @@ bucket layouts are compared index by index.
 
 from __future__ import annotations
 
+import importlib.util
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -15,6 +16,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
+from overlapddp.torch_compat import ddp_accepts
 from tests import faults, hooks, models
 from tests.multiprocess import DEFAULT_TIMEOUT_S, run_ranks
 
@@ -47,6 +49,15 @@ class Scenario:
         if not self.set_to_none:
             extra += "-keep_grads"
         return f"{self.model}-{self.optimizer}-{cap}{extra}" + (f"-FAULT:{self.fault}" if self.fault else "")
+
+
+def missing_for(scenario: Scenario) -> list[str]:
+    """What the installed torch lacks for ``scenario``: DDP arguments (older releases lack some), or
+    torchvision (a new torch release can come before its torchvision)."""
+    missing = [name for name, _ in scenario.ddp_kwargs if not ddp_accepts(name)]
+    if scenario.model == "resnet18" and importlib.util.find_spec("torchvision") is None:
+        missing.append("torchvision")
+    return missing
 
 
 @dataclass

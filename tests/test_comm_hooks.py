@@ -241,10 +241,14 @@ def test_bad_hook_result_raises_naming_hook_and_bucket_on_every_rank(hook):
 
 
 def test_stock_quantization_hooks_fail_alike_on_gloo():
-    """gloo's all-gather future holds a list, not NCCL's stacked tensor: the same error, same step."""
+    """gloo's all-gather future holds a list, not NCCL's stacked tensor: the same error, same step.
+    (torch 2.15's hook runs on gloo: then neither fails, and the parity scenarios compare values.)"""
     for facts in facts_at_world_size_3():
         ddp, ours = facts["quantization"]["ddp"], facts["quantization"]["ours"]
-        assert ddp is not None and ours is not None
+        if ddp is None:
+            assert ours is None, ours
+            continue
+        assert ours is not None
         assert ddp[0] == ours[0] == 0
         inner = ddp[2].split("IndexError: ")[1].splitlines()[0]
         assert f"IndexError: {inner}" in ours[2]

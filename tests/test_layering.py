@@ -17,13 +17,13 @@ FRAMEWORKS = {"lightning", "pytorch_lightning", "accelerate", "transformers"}
 
 # Lowest first; a module may import only from strictly lower layers.
 LAYERS = [
-    {"device_streams"},
+    {"device_streams", "torch_compat"},
     {"bucket_plan", "bucket_storage", "fence", "comm_hook", "param_usage", "token_weighting", "module_sync",
      "bucket_unscaler", "sparse_reduction"},
     {"tuned_plan", "comm_hook_validation", "timeline", "delayed_reduction", "mixed_precision"},
     {"plan_tuner"},
     {"reducer"},
-    {"optimizer_guard", "optimizer_overlap", "join"},
+    {"optimizer_guard", "optimizer_overlap", "join", "pickling"},
     {"compile_split"},  # the adapter between Dynamo's graphs and the wrapper (it knows fx, not module hooks)
     {"wrapper"},
     {"testing", "__init__"},

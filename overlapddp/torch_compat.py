@@ -1,0 +1,110 @@
+"""Which parts of torch that are private, or changed between releases, the package relies on.
+
+Everything below is looked up here once, so that a torch release that renames one breaks this file
+only, with a fallback or a clear error instead of an AttributeError deep in a backward. Probes ask
+the installed torch what it has (never its version string), so that OverlapDDP follows the DDP it
+runs next to: see docs/compatibility.md for the range tested.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Sequence
+
+import torch
+
+# -- autograd ---------------------------------------------------------------------------------------
+
+_ENGINE = getattr(torch.autograd.Variable, "_execution_engine", None)
+_GRAPH_TASK_ID: Callable[[], int] | None = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def queue_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current backward has finished (the end-of-backward callback)."""
+    if _ENGINE is None:
+        raise RuntimeError(
+            f"torch {torch.__version__} has no autograd engine callback queue "
+            "(torch.autograd.Variable._execution_engine), which OverlapDDP needs to finalize a backward."
+        )
+    _ENGINE.queue_callback(callback)
+
+
+def in_backward() -> bool:
+    """Whether the calling thread runs inside a backward (False where torch cannot tell)."""
+    return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
+
+
+# The C type of ``torch.futures.Future`` (collectives return it directly, not the Python subclass).
+FUTURE_TYPES: tuple[type, ...] = (getattr(torch._C, "Future", torch.futures.Future),)
+
+# -- multi-tensor kernels: one launch per list where torch has them, a loop where it does not -------
+
+
+def _each(method: str) -> Callable[..., None]:
+    def apply(tensors: Sequence[torch.Tensor], other: Any) -> None:
+        others = other if isinstance(other, (list, tuple)) else [other] * len(tensors)
+        for tensor, value in zip(tensors, others):
+            getattr(tensor, method)(value)
+
+    return apply
+
+
+foreach_copy_: Callable[..., None] = getattr(torch, "_foreach_copy_", None) or _each("copy_")
+foreach_mul_: Callable[..., None] = getattr(torch, "_foreach_mul_", None) or _each("mul_")
+foreach_div_: Callable[..., None] = getattr(torch, "_foreach_div_", None) or _each("div_")
+foreach_norm: Callable[..., list[torch.Tensor]] = getattr(torch, "_foreach_norm", None) or (
+    lambda tensors, ord=2: [torch.linalg.vector_norm(t, ord) for t in tensors]
+)
+
+
+def cuda_sleep(cycles: int) -> None:
+    """Keep the current CUDA stream busy for about ``cycles`` GPU cycles (delay injection in tests)."""
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is None:
+        raise RuntimeError(f"torch {torch.__version__} has no torch.cuda._sleep to delay a CUDA stream with.")
+    sleep(cycles)
+
+
+# -- DDP's helpers and arguments --------------------------------------------------------------------
+
+
+def to_kwargs(inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device: torch.device) -> tuple[tuple, tuple]:
+    """DDP's own input placement (``torch.distributed.utils._to_kwargs``), so results match DDP's."""
+    from torch.distributed import utils
+
+    helper = getattr(utils, "_to_kwargs", None)
+    if helper is None:
+        raise NotImplementedError(
+            f"torch {torch.__version__} has no torch.distributed.utils._to_kwargs; call tensor.to(device) instead."
+        )
+    return helper(inputs, kwargs, device, False)
+
+
+def ddp_accepts(argument: str) -> bool:
+    """Whether the installed ``DistributedDataParallel`` takes ``argument`` (they come and go by release)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return argument in inspect.signature(DistributedDataParallel.__init__).parameters
+
+
+# -- distributed checkpoints (DCP) ------------------------------------------------------------------
+
+
+def let_dcp_unwrap(wrapper_type: type) -> bool:
+    """Make DCP's state-dict helpers drop ``wrapper_type``'s ``module.`` prefix, as they drop DDP's.
+
+    ``torch.distributed.checkpoint.state_dict`` recognizes DDP by one type check (``isinstance(obj,
+    DDP)`` on its module-level name ``DDP``, in ``_get_fqns``) and offers no registration; that name
+    becomes a tuple holding both types. Returns False, leaving the prefix, where that name is gone.
+    """
+    try:
+        from torch.distributed.checkpoint import state_dict as dcp_state_dict
+    except ImportError:
+        return False
+    recognized = getattr(dcp_state_dict, "DDP", None)
+    if recognized is None:
+        return False
+    types = recognized if isinstance(recognized, tuple) else (recognized,)
+    if wrapper_type not in types:
+        dcp_state_dict.DDP = (*types, wrapper_type)
+    return True
