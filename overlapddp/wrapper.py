@@ -37,8 +37,8 @@ _NOT_YET = {
     "param_to_hook_all_reduce": "let all parameters be reduced in buckets",
     "mixed_precision": "cast the model yourself, or register fp16_compress_hook",
 }
-# "ddp": DDP's exact layout (bit-equal at every world size); "tuned": sized from a measured backward
-# and link after a few iterations (tuned_plan.py), the same reduction in other buckets.
+# "ddp": DDP's exact layout (bit-equal at every world size); "tuned": the fastest of a modelled plan
+# (tuned_plan.py) and DDP's fixed layouts, by measurement (plan_selection.py).
 BUCKET_PLANS = ("ddp", "tuned")
 
 
@@ -47,7 +47,8 @@ class OverlapDDP(nn.Module, Joinable):
 
     Beyond DDP's arguments, the keyword ``bucket_plan="tuned"`` re-plans the buckets after two
     measured iterations so that the work after backward (the last reductions, the copies into
-    ``param.grad`` and an overlapped optimizer's updates) ends as early as the link allows.
+    ``param.grad`` and an overlapped optimizer's updates) ends as early as the link allows, then
+    runs that plan and DDP's fixed layouts for a few iterations each and keeps the fastest.
 
     Example::
 
@@ -145,11 +146,6 @@ class OverlapDDP(nn.Module, Joinable):
             )
         if bucket_plan not in BUCKET_PLANS:
             raise ValueError(f"bucket_plan must be one of {', '.join(map(repr, BUCKET_PLANS))}, got {bucket_plan!r}.")
-        if bucket_plan == "tuned" and self.device.type != "cpu":
-            raise NotImplementedError(
-                "bucket_plan='tuned' times each bucket's collective from the host, which CUDA collectives do "
-                "not report (NCCL's future completes at enqueue); use bucket_plan='ddp' on GPUs for now."
-            )
         if bucket_plan == "tuned" and find_unused_parameters and not static_graph:
             raise ValueError(
                 "bucket_plan='tuned' re-plans the buckets after DDP's ready-order rebuild, which "

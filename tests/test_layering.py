@@ -15,8 +15,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "overlapddp"
 # Lowest first; a module may import only from strictly lower layers.
 LAYERS = [
     {"bucket_plan", "bucket_storage", "fence", "comm_hook", "param_usage", "token_weighting", "module_sync",
-     "bucket_unscaler"},
-    {"tuned_plan", "comm_hook_validation", "timeline"},
+     "bucket_unscaler", "clock"},
+    {"tuned_plan", "comm_hook_validation", "timeline", "plan_selection"},
     {"plan_tuner"},
     {"reducer"},
     {"optimizer_guard", "optimizer_overlap", "join"},
