@@ -118,8 +118,10 @@ class PlanSelection:
         """The iteration failed: its time is not counted (the next one starts at the next forward)."""
         self._started = None
 
+    def local_seconds(self) -> list[list[float]]:
+        """This rank's time of each timed iteration, per candidate (blocks on CUDA until they ran)."""
+        return [[self._clock.seconds(start, [end])[0] for start, end in timed] for timed in self._timed]
+
     def agree(self, process_group: dist.ProcessGroup, device: torch.device) -> BucketPlan:
         """The fastest candidate, the same on every rank (collectives; every rank calls)."""
-        local = [self._clock.seconds(start, [end])[0] for timed in self._timed for start, end in timed]
-        per_candidate = [local[c * self._iterations: (c + 1) * self._iterations] for c in range(len(self._timed))]
-        return self.candidates[agree_on_fastest(per_candidate, process_group, device)]
+        return self.candidates[agree_on_fastest(self.local_seconds(), process_group, device)]
