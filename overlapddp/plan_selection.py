@@ -124,4 +124,9 @@ class PlanSelection:
 
     def agree(self, process_group: dist.ProcessGroup, device: torch.device) -> BucketPlan:
         """The fastest candidate, the same on every rank (collectives; every rank calls)."""
+        if not self.measured:
+            raise RuntimeError(
+                f"The selection can only agree once every candidate ran {self._iterations} iterations; it is at "
+                f"candidate {self.candidate} of {len(self.candidates)} with {len(self._timed[-1])} timed."
+            )
         return self.candidates[agree_on_fastest(self.local_seconds(), process_group, device)]

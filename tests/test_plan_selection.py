@@ -97,6 +97,12 @@ def test_an_interrupted_iteration_is_not_timed():
     assert selection.local_seconds()[0] == [1.0]
 
 
+def test_agreeing_before_every_candidate_ran_is_refused(one_rank):
+    selection = PlanSelection([BucketPlan(((0,),), (0,)), BucketPlan(((1,),), (0,))], FakeClock())
+    with pytest.raises(RuntimeError, match="at candidate 0 of 2 with 0 timed"):
+        selection.agree(torch.distributed.group.WORLD, torch.device("cpu"))
+
+
 def test_a_selection_needs_candidates_and_iterations():
     with pytest.raises(ValueError, match="needs candidates and iterations"):
         PlanSelection([], FakeClock())
