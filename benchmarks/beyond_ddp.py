@@ -175,6 +175,13 @@ def bound_summary(ctx: RankContext, phases: PhaseTimes, module: nn.Module) -> di
     }
 
 
+def selected_bucket_mib(variant: Variant) -> list[float]:
+    """The tuned variant's final buckets, in MiB, in launch order."""
+    params = [p for p in variant.model.parameters() if p.requires_grad]
+    return [sum(params[i].numel() * params[i].element_size() for i in members) / 2**20
+            for members in variant.model.bucket_indices()]
+
+
 def fixed_ratio(best: Variant | None, variant: Variant) -> dict[str, object]:
     """``variant`` against the fastest fixed layout of its kind (none for the bare module, or when
     no such layout ran)."""
@@ -220,6 +227,8 @@ def summarize_model(
             "bit_equal": None if v.label == LOCAL else all_ranks_true(not mismatches),
             "rank0_mismatched_tensors": mismatches,
         }
+        if v.label in TUNED:  # the selected layout, as bucket sizes in MiB in launch order
+            rows[v.label]["selected_bucket_mib"] = selected_bucket_mib(v)
     return {
         "variants": rows,
         "best_ddp": best.label,
@@ -303,6 +312,10 @@ def format_model(name: str, result: dict[str, object], args: argparse.Namespace)
         f"({b['gradient_bytes_per_step'] / 2**20:.1f} MiB of gradients), T_opt {b['optimizer_ms']:.2f} ms; "
         f"bound T_f + max(T_b, T_c) + T_opt = {b['bound_ms']:.2f} ms",
     ]
+    for label in TUNED:
+        if label in result["variants"]:
+            sizes = result["variants"][label]["selected_bucket_mib"]
+            lines.append(f"{label} selected {len(sizes)} buckets: " + ", ".join(f"{mib:.2f}" for mib in sizes) + " MiB")
     if result["targets"]:
         verdicts = ", ".join(f"{key}: {'yes' if met else 'no'}" for key, met in result["targets"].items())
         lines.append(f"targets (median ratios): {verdicts}")

@@ -5,11 +5,14 @@ layouts a user could pick by hand, over the same gradient-ready order (DDP's reb
 force (the user's caps), DDP's default (a 1 MiB first bucket, then 25 MiB), and caps of 1 and 5 MiB;
 each layout counted once. The loop, driven from the reducer at every grad-enabled forward:
 
-    for candidate in candidates:                   # install it between two iterations
-        for _ in range(ITERATIONS_PER_CANDIDATE):
+    for round in range(ITERATIONS_PER_CANDIDATE):
+        for candidate in candidates:               # install it between two iterations
             run one iteration, time it on every rank
     times = max over ranks of each iteration       # one all-reduce: a step is its slowest rank's
     rank 0 picks the lowest median, broadcasts it  # every rank adopts the same layout
+
+The candidates take turns, so a slow spell of the machine or the link (another job, a data-loader
+stall) falls on all of them rather than on one.
 
 An iteration's time is from one grad-enabled forward that follows a synchronized backward to the
 next one: forward, backward, the reductions and the optimizer (and any no_sync micro-steps between).
@@ -85,30 +88,30 @@ class PlanSelection:
         self.candidates = list(candidates)
         self._clock = clock
         self._iterations = iterations
-        # Per candidate run so far: the (start, end) stamps of each timed iteration, read at the end.
-        self._timed: list[list[tuple[Stamp, Stamp]]] = [[]]
+        # Per candidate: the (start, end) stamps of each of its timed iterations, read at the end.
+        self._timed: list[list[tuple[Stamp, Stamp]]] = [[] for _ in self.candidates]
+        self._count = 0  # iterations timed so far, all candidates together
         self._started: Stamp | None = None  # the forward that began the iteration being timed
 
     @property
     def candidate(self) -> int:
-        """The index of the candidate running now."""
-        return len(self._timed) - 1
+        """The index of the candidate running now (they take turns)."""
+        return self._count % len(self.candidates)
 
     @property
     def measured(self) -> bool:
         """Every candidate ran its iterations: the next step is :meth:`agree`."""
-        return self.candidate == len(self.candidates) - 1 and len(self._timed[-1]) == self._iterations
+        return self._count == len(self.candidates) * self._iterations
 
     def forward(self, iteration_ended: bool) -> BucketPlan | None:
         """A grad-enabled forward is about to run; ``iteration_ended``: a synchronized backward ran
         since the last one. Returns the layout to switch to before it, or None to keep the current
         one; call :meth:`started` once that layout is installed."""
-        if self._started is not None and iteration_ended:
-            self._timed[-1].append((self._started, self._clock.now()))
-            if len(self._timed[-1]) == self._iterations and not self.measured:
-                self._timed.append([])
-                return self.candidates[self.candidate]
-        return None
+        if self._started is None or not iteration_ended:
+            return None
+        self._timed[self.candidate].append((self._started, self._clock.now()))
+        self._count += 1
+        return None if self.measured else self.candidates[self.candidate]
 
     def started(self) -> None:
         """The timed iteration begins here (after any layout switch, which it does not include)."""
@@ -126,7 +129,7 @@ class PlanSelection:
         """The fastest candidate, the same on every rank (collectives; every rank calls)."""
         if not self.measured:
             raise RuntimeError(
-                f"The selection can only agree once every candidate ran {self._iterations} iterations; it is at "
-                f"candidate {self.candidate} of {len(self.candidates)} with {len(self._timed[-1])} timed."
+                f"The selection can only agree once every candidate ran {self._iterations} iterations; "
+                f"{self._count} of {len(self.candidates) * self._iterations} are timed."
             )
         return self.candidates[agree_on_fastest(self.local_seconds(), process_group, device)]

@@ -63,7 +63,7 @@ def _drive(selection: PlanSelection, clock: FakeClock, seconds: dict[int, list[f
         candidate = selection.candidate
         assert installed == selection.candidates[candidate]  # the layout in force is the one being timed
         ran.append(candidate)
-        clock.time += seconds[candidate][len([c for c in ran if c == candidate]) - 1]
+        clock.time += seconds[candidate][ran.count(candidate) - 1]
         assert selection.forward(iteration_ended=False) is None  # a no_sync micro-step's forward
         switch = selection.forward(iteration_ended=True)
         if switch is not None:
@@ -73,13 +73,13 @@ def _drive(selection: PlanSelection, clock: FakeClock, seconds: dict[int, list[f
     return ran
 
 
-def test_each_candidate_runs_its_iterations_in_turn_and_the_fastest_is_chosen(one_rank):
+def test_the_candidates_take_turns_and_the_fastest_is_chosen(one_rank):
     plans = [BucketPlan(((i,),), (0,)) for i in range(3)]
     clock = FakeClock()
     selection = PlanSelection(plans, clock)
     seconds = {0: [0.5, 0.3, 0.3], 1: [0.1, 0.2, 0.9], 2: [0.4, 0.4, 0.4]}
     ran = _drive(selection, clock, seconds)
-    assert ran == [c for c in range(3) for _ in range(ITERATIONS_PER_CANDIDATE)]
+    assert ran == [c for _ in range(ITERATIONS_PER_CANDIDATE) for c in range(3)]  # they take turns
     assert selection.local_seconds() == [pytest.approx(seconds[c]) for c in range(3)]
     assert selection.agree(torch.distributed.group.WORLD, torch.device("cpu")) is plans[1]
 
@@ -99,7 +99,7 @@ def test_an_interrupted_iteration_is_not_timed():
 
 def test_agreeing_before_every_candidate_ran_is_refused(one_rank):
     selection = PlanSelection([BucketPlan(((0,),), (0,)), BucketPlan(((1,),), (0,))], FakeClock())
-    with pytest.raises(RuntimeError, match="at candidate 0 of 2 with 0 timed"):
+    with pytest.raises(RuntimeError, match="0 of 6 are timed"):
         selection.agree(torch.distributed.group.WORLD, torch.device("cpu"))
 
 
