@@ -111,11 +111,14 @@ class PlanSelection:
             return None
         self._timed[self.candidate].append((self._started, self._clock.now()))
         self._count += 1
+        self._started = None
         return None if self.measured else self.candidates[self.candidate]
 
     def started(self) -> None:
-        """The timed iteration begins here (after any layout switch, which it does not include)."""
-        self._started = self._clock.now()
+        """Called after every :meth:`forward`: a timed iteration begins here unless one is running
+        (a no_sync micro-step's forward is part of it); a layout switch is not included."""
+        if self._started is None:
+            self._started = self._clock.now()
 
     def interrupted(self) -> None:
         """The iteration failed: its time is not counted (the next one starts at the next forward)."""

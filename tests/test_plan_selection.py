@@ -63,8 +63,10 @@ def _drive(selection: PlanSelection, clock: FakeClock, seconds: dict[int, list[f
         candidate = selection.candidate
         assert installed == selection.candidates[candidate]  # the layout in force is the one being timed
         ran.append(candidate)
-        clock.time += seconds[candidate][ran.count(candidate) - 1]
+        clock.time += seconds[candidate][ran.count(candidate) - 1] / 2
         assert selection.forward(iteration_ended=False) is None  # a no_sync micro-step's forward
+        selection.started()  # the reducer calls it after every forward
+        clock.time += seconds[candidate][ran.count(candidate) - 1] / 2
         switch = selection.forward(iteration_ended=True)
         if switch is not None:
             installed = switch
