@@ -1,12 +1,18 @@
-"""Measure, then agree: the stateful half of ``bucket_plan="tuned"`` (the planning is tuned_plan.py).
+"""Measure, model, then select: the stateful half of ``bucket_plan="tuned"`` (the planning is
+tuned_plan.py, the selection plan_selection.py).
 
-After DDP's own rebuild, the reducer reports a few synchronized iterations here: when each gradient
-was marked ready, when each bucket launched and completed, and how long the work after each
-reduction took (writing ``param.grad``; with an overlapped optimizer, its update). Then, at a
-forward that every rank reaches at the same iteration count, the ranks share their ready times (a
-gradient counts as ready when the slowest rank had it), rank 0 plans from them and its own link and
-work measurements, and broadcasts the layout, so all ranks adopt the same buckets. A rank that joined (uneven inputs)
-counts the iterations it shadows, so the broadcast is issued by every rank at the same point.
+After DDP's own rebuild, the reducer reports a few synchronized iterations here (calibration): when
+each gradient was marked ready, when each bucket launched and completed, and how long the work after
+each reduction took (writing ``param.grad``; with an overlapped optimizer, its update), stamped by
+the device's clock (clock.py: CUDA events on GPUs). Then, at a forward that every rank reaches at the
+same iteration count, the ranks share their ready times (a gradient counts as ready when the slowest
+rank had it), rank 0 plans from them and its own link and work measurements, and broadcasts the
+layout. That plan is one candidate of a selection that runs each candidate layout for a few real
+iterations and keeps the fastest (plan_selection.py), agreed by every rank. A rank that joined
+(uneven inputs) counts the iterations it shadows, so every collective is issued by every rank at the
+same point.
+
+Drift: the chosen layout stays for the rest of the run (see docs/beyond_ddp_tuned.md for why).
 """
 
 from __future__ import annotations
@@ -14,95 +20,165 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from overlapddp.bucket_plan import BucketPlan, explicit_plan
+from overlapddp.clock import Stamp, clock_for
+from overlapddp.plan_selection import MAX_SELECTION_ITERATIONS, PlanSelection, candidate_layouts
 from overlapddp.tuned_plan import BucketTiming, fit_finalize, fit_link, tuned_plan
 
 CALIBRATION_ITERATIONS = 2  # measured synchronized iterations after DDP's rebuild
+# Synchronized iterations after DDP's rebuild until the layout is final, at the latest.
+TUNING_ITERATIONS = CALIBRATION_ITERATIONS + MAX_SELECTION_ITERATIONS
 
 
 class PlanTuner:
-    """Collects calibration timings on this rank and agrees on the tuned plan from rank 0."""
+    """Collects calibration timings on this rank, agrees on the model's plan from rank 0, then on the
+    fastest candidate layout."""
 
-    def __init__(self, params: Sequence[torch.Tensor], iterations: int = CALIBRATION_ITERATIONS) -> None:
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        sparse_gradient: Sequence[bool],
+        iterations: int = CALIBRATION_ITERATIONS,
+    ) -> None:
         self._params = list(params)
+        self._sparse_gradient = list(sparse_gradient)
         self._iterations = iterations
-        self.done = False  # the tuned plan is installed (or was restored from a checkpoint)
+        self._clock = clock_for(self._params[0].device)
+        self.done = False  # the chosen layout is installed (or was restored from a checkpoint)
         self._seen = 0  # synchronized iterations after the rebuild, shadowed ones included
+        self._ended = False  # a synchronized iteration ended (or was shadowed) since the last forward
+        self._selection: PlanSelection | None = None  # running once calibration is over
         self._ready: list[list[float]] = []  # per measured iteration: each gradient's time from the first
         self._buckets: list[list[BucketTiming]] = []
-        # The iteration being measured: ready times; per bucket (bytes, gradients, launch time,
-        # completion box, seconds the launch took on backward's thread); per bucket in the same
-        # order, seconds of work after its reduction.
-        self._current_ready: list[float] | None = None
-        self._current_buckets: list[tuple[int, int, float, list[float], float]] = []
-        self._current_finalize: list[float] = []
+        # The iteration being measured, as clock stamps read at its end: its origin; when each
+        # gradient was ready; per bucket (bytes, gradients, launch stamp, completion stamp, seconds
+        # the launch took on backward's thread); per bucket in the same order, its work's (start, end).
+        self._origin: Stamp | None = None
+        self._current_ready: list[Stamp | None] = []
+        self._current_buckets: list[tuple[int, int, Stamp, Stamp, float]] = []
+        self._current_finalize: list[tuple[Stamp, Stamp]] = []
 
     @property
-    def due(self) -> bool:
-        """Every rank has seen enough iterations: the next forward agrees on the plan."""
-        return not self.done and self._seen >= self._iterations
+    def measuring(self) -> bool:
+        """A calibration iteration is being measured (the reducer times its launches and finalize work)."""
+        return self._origin is not None
 
     def start_iteration(self) -> None:
-        """A synchronized backward follows; measure it unless tuning is over."""
-        if not self.done:
-            self._current_ready = [math.nan] * len(self._params)
+        """A synchronized backward follows; measure it while calibrating."""
+        if not self.done and self._selection is None and self._seen < self._iterations:
+            self._origin = self._clock.now()
+            self._current_ready = [None] * len(self._params)
             self._current_buckets = []
             self._current_finalize = []
 
     def gradient_ready(self, index: int) -> None:
-        if self._current_ready is not None:
-            self._current_ready[index] = time.perf_counter()
+        if self._origin is not None:
+            self._current_ready[index] = self._clock.now()
 
-    @property
-    def measuring(self) -> bool:
-        """An iteration is being measured (the reducer times its launches and finalize work)."""
-        return self._current_ready is not None
+    def now(self) -> Stamp:
+        """A stamp on this device's clock (the reducer brackets each bucket's finalize work with two)."""
+        return self._clock.now()
 
-    def bucket_launched(self, nbytes: int, tensors: int, started: float, future: torch.futures.Future) -> None:
-        """Note a launch of ``tensors`` gradients that began at ``started`` and returned ``future``;
-        the completion time is written by the future's callback (called only while measuring)."""
-        finished: list[float] = []
-        now = time.perf_counter()
-        self._current_buckets.append((nbytes, tensors, now, finished, now - started))
-        future.add_done_callback(lambda _: finished.append(time.perf_counter()))
+    def bucket_launched(self, nbytes: int, tensors: int, started: float, launched: Stamp,
+                        future: torch.futures.Future) -> None:
+        """Note a launch of ``tensors`` gradients stamped ``launched`` that returned ``future``;
+        ``started``: the host time before the launch (called only while measuring)."""
+        host_s = time.perf_counter() - started
+        self._current_buckets.append((nbytes, tensors, launched, self._clock.done(future), host_s))
 
-    def bucket_finalized(self, seconds: float) -> None:
-        """The next launched bucket's work after its reduction took ``seconds`` (called only while
-        measuring)."""
-        self._current_finalize.append(seconds)
+    def bucket_finalized(self, reduced: Stamp, worked: Stamp) -> None:
+        """The next launched bucket's work after its reduction ran from ``reduced`` to ``worked``
+        (called only while measuring)."""
+        self._current_finalize.append((reduced, worked))
 
     def end_iteration(self) -> None:
-        """Every bucket was completed (finalize); keep this iteration's timings."""
-        if self._current_ready is None:
+        """Every bucket was completed (finalize); keep this iteration's timings if measured."""
+        self._ended = True
+        if self._origin is None:
             return
-        now = time.perf_counter()  # a completion callback may run just after the waiter woke
-        first = min((t for t in self._current_ready if not math.isnan(t)), default=now)
-        self._ready.append([t - first for t in self._current_ready])
-        finalize = self._current_finalize + [0.0] * (len(self._current_buckets) - len(self._current_finalize))
+
+        def read(stamps: list[Stamp]) -> list[float]:
+            return self._clock.seconds(self._origin, stamps)
+
+        buckets, finalize = self._current_buckets, self._current_finalize
+        marked = [i for i, stamp in enumerate(self._current_ready) if stamp is not None]
+        ready = [math.nan] * len(self._params)
+        for i, seconds in zip(marked, read([self._current_ready[i] for i in marked])):
+            ready[i] = seconds
+        launched, finished = read([b[2] for b in buckets]), read([b[3] for b in buckets])
+        work = [end - start for start, end in zip(read([f[0] for f in finalize]), read([f[1] for f in finalize]))]
+        work += [0.0] * (len(buckets) - len(work))
+        first = min((t for t in ready if not math.isnan(t)), default=0.0)
+        self._ready.append([t - first for t in ready])
         self._buckets.append([
-            BucketTiming(n, launched, min(done, default=now), host_s, tensors, work)
-            for (n, tensors, launched, done, host_s), work in zip(self._current_buckets, finalize)
+            BucketTiming(n, start, max(done, start), host_s, tensors, seconds)
+            for (n, tensors, _, _, host_s), start, done, seconds in zip(buckets, launched, finished, work)
         ])
-        self._current_ready = None
+        self._origin = None
         self._seen += 1
 
     def shadow_iteration(self) -> None:
         """A joined rank shadowed one synchronized iteration: count it, measure nothing."""
+        self._ended = True
         if not self.done:
             self._seen += 1
 
+    def restored(self) -> None:
+        """A checkpoint's layout is in force: nothing is measured or selected any more."""
+        self.done, self._selection, self._origin = True, None, None
+
     def discard_iteration(self) -> None:
         """The iteration failed: forget its partial timings."""
-        self._current_ready = None
+        self._origin = None
+        if self._selection is not None:
+            self._selection.interrupted()
+
+    def between_iterations(
+        self,
+        process_group: dist.ProcessGroup,
+        device: torch.device,
+        ready_order: Sequence[int],
+        in_force: BucketPlan,
+        adopt: Callable[[BucketPlan], None],
+    ) -> None:
+        """At every grad-enabled forward (every rank): once calibrated, start the selection among
+        the model's plan and the fixed layouts over ``ready_order``; during it, time iterations and
+        switch layouts; at its end, ``adopt`` the fastest. Collectives at the same forward on every
+        rank: the counts they depend on are shared."""
+        if self.done:
+            return
+        ended, self._ended = self._ended, False
+        if self._selection is None:
+            if self._seen < self._iterations:
+                return
+            model = self.agree(process_group, device)
+            layouts = candidate_layouts(model, in_force, self._params, self._sparse_gradient, ready_order)
+            self._selection = PlanSelection(layouts, self._clock)
+            if len(layouts) == 1:
+                self._finish(layouts[0], adopt)
+                return
+            adopt(layouts[0])
+        else:
+            next_plan = self._selection.forward(ended)
+            if self._selection.measured:
+                self._finish(self._selection.agree(process_group, device), adopt)
+                return
+            if next_plan is not None:
+                adopt(next_plan)
+        self._selection.started()
+
+    def _finish(self, plan: BucketPlan, adopt: Callable[[BucketPlan], None]) -> None:
+        adopt(plan)
+        self.done, self._selection = True, None
 
     def agree(self, process_group: dist.ProcessGroup, device: torch.device) -> BucketPlan | None:
         """Rank 0 plans from every rank's ready times, every rank adopts its layout (collectives).
-        None: keep the current plan (rank 0 measured nothing usable, e.g. it had joined).
+        None: rank 0 measured nothing usable (e.g. it had joined); the model offers no candidate.
 
         Each gradient counts as ready when the slowest rank had it: a bucket's collective can only
         proceed once every rank has launched it."""
@@ -117,7 +193,6 @@ class PlanTuner:
                 layout[0] = torch.tensor(order)
                 layout[1, : len(plan.buckets)] = torch.tensor([len(m) for m in plan.buckets])
         dist.broadcast(layout, src=dist.get_global_rank(process_group, 0), group=process_group)
-        self.done = True
         self._ready, self._buckets = [], []
         order, lengths = layout[0].tolist(), [n for n in layout[1].tolist() if n > 0]
         if not lengths:

@@ -27,7 +27,7 @@ from overlapddp.delayed_reduction import DelayedReduction
 from overlapddp.fence import Fence
 from overlapddp.module_sync import gather_objects
 from overlapddp.param_usage import UsageMap, grad_accumulators, unreachable
-from overlapddp.plan_tuner import CALIBRATION_ITERATIONS, PlanTuner
+from overlapddp.plan_tuner import TUNING_ITERATIONS, PlanTuner
 from overlapddp.sparse_reduction import SparseBucketStorage
 from overlapddp.token_weighting import TokenCount
 from overlapddp.torch_compat import in_backward
@@ -50,7 +50,7 @@ class ReducerOptions:
     gradient_as_bucket_view: bool = False  # param.grad is a view into its bucket, no copy-out
     batched_grad_copy: bool = False  # copy unscaled, then divide each bucket (true division)
     skip_all_reduce_unused_params: bool = False  # never reduce buckets holding only unused params
-    tuned_plan: bool = False  # after DDP's rebuild, measure, then re-plan buckets (plan_tuner.py)
+    tuned_plan: bool = False  # after DDP's rebuild, measure, model and select buckets (plan_tuner.py)
 
 
 class Reducer:
@@ -102,7 +102,7 @@ class Reducer:
         self._rebuilt_from: list[int] = []  # rank 0's ready order the current plan was built from
         # True from the first mark_ready of a backward until finalize: an unfinished reduction.
         self._require_finalize = False
-        self._tuner = PlanTuner(self.params) if options.tuned_plan else None
+        self._tuner = PlanTuner(self.params, self._sparse_gradient) if options.tuned_plan else None
         self._configure(options)
         self._install_plan(
             initial_plan(
@@ -172,9 +172,10 @@ class Reducer:
     @property
     def final_layout_iteration(self) -> int:
         """The first synchronized iteration (from 0) whose buckets stay: DDP's rebuild is in force
-        from iteration 1 (2 with a static graph); the tuned plan, measured after it, a few later."""
+        from iteration 1 (2 with a static graph); the tuned plan, measured and selected after it, at the
+        latest this many later."""
         ddp = 2 if self.options.static_graph else 1
-        return ddp + (CALIBRATION_ITERATIONS if self._tuner is not None else 0)
+        return ddp + (TUNING_ITERATIONS if self._tuner is not None else 0)
 
     @property
     def caps(self) -> BucketCaps:
@@ -236,7 +237,7 @@ class Reducer:
                 raise ValueError("This bucket state holds a tuned layout; construct with bucket_plan='tuned'.")
             if sorted(i for b in tuned for i in b) != list(range(len(self.params))):
                 raise ValueError(f"The tuned layout must hold each of the {len(self.params)} parameters once.")
-            self._tuner.done = True
+            self._tuner.restored()
             plan = explicit_plan(self.params, tuned)
         self._adopt_plan(plan)
 
@@ -259,7 +260,8 @@ class Reducer:
     # -- the iteration ------------------------------------------------------------------------
 
     def prepare_for_forward(self) -> None:
-        """Check the last reduction finished; apply the one rebuild once the ready order is known."""
+        """Check the last reduction finished; apply the one rebuild once the ready order is known; let
+        the tuned plan switch layouts between iterations."""
         self._ensure_prior_reduction_finished()
         if self._rebuild_pending and self._ready_order:
             order = torch.tensor(self._ready_order, dtype=torch.int64, device=self._storages[0].buffer.device)
@@ -268,10 +270,9 @@ class Reducer:
             self._ready_order = []
             self._rebuilt_from = order.tolist()
             self._adopt_plan(rebuilt_plan(self.params, self._sparse_gradient, self._caps, self._rebuilt_from))
-        elif self._tuner is not None and self._tuner.due:
-            plan = self._tuner.agree(self.process_group, self._storages[0].buffer.device)
-            if plan is not None:
-                self._adopt_plan(plan)
+        elif self._tuner is not None and self.has_rebuilt_buckets:
+            device = self._storages[0].buffer.device
+            self._tuner.between_iterations(self.process_group, device, self._rebuilt_from, self.plan, self._adopt_plan)
 
     def _adopt_plan(self, plan: BucketPlan) -> None:
         """Switch layouts between iterations; with gradient_as_bucket_view, the gradients move along."""
@@ -444,10 +445,11 @@ class Reducer:
         """Start the reduction; while the tuned plan calibrates, also time it for the tuner."""
         if self._tuner is None or not self._tuner.measuring:
             return self._start_reduction(bucket)
-        started = time.perf_counter()
+        started, launched = time.perf_counter(), self._tuner.now()
         future = self._start_reduction(bucket)
         buffer = bucket.buffer()
-        self._tuner.bucket_launched(buffer.numel() * buffer.element_size(), len(bucket.parameters()), started, future)
+        nbytes = buffer.numel() * buffer.element_size()
+        self._tuner.bucket_launched(nbytes, len(bucket.parameters()), started, launched, future)
         return future
 
     def _bucket(self, index: int, buffer: torch.Tensor) -> Bucket:
@@ -502,7 +504,7 @@ class Reducer:
                     continue
                 with torch.autograd.profiler.record_function(f"overlapddp.bucket_{index}.complete"):
                     value = self._complete(index)
-                    reduced_at = time.perf_counter() if measuring else 0.0
+                    reduced_at = self._tuner.now() if measuring else None
                     self._check_untouched(index)
                     write = [self._globally_used(i) for i in self.plan.buckets[index]]
                     result = hook_result(value, hook_name, index, storage.buffer)
@@ -512,7 +514,7 @@ class Reducer:
                 if self.after_bucket_reduced is not None:
                     self.after_bucket_reduced(storage.params)
                 if measuring:
-                    self._tuner.bucket_finalized(time.perf_counter() - reduced_at)
+                    self._tuner.bucket_finalized(reduced_at, self._tuner.now())
             if self.delayed is not None:
                 self.delayed.finish(self._fence)
             if self._usage is not None:

@@ -35,8 +35,8 @@ from overlapddp.pickling import bind_to_default_group, pickled_state, take_recip
 from overlapddp.reducer import Reducer, ReducerOptions
 from overlapddp.torch_compat import let_dcp_unwrap, queue_callback, to_kwargs
 
-# "ddp": DDP's exact layout (bit-equal at every world size); "tuned": sized from a measured backward
-# and link after a few iterations (tuned_plan.py), the same reduction in other buckets.
+# "ddp": DDP's exact layout (bit-equal at every world size); "tuned": the fastest of a modelled plan
+# (tuned_plan.py) and DDP's fixed layouts, by measurement (plan_selection.py).
 BUCKET_PLANS = ("ddp", "tuned")
 
 
@@ -45,7 +45,8 @@ class OverlapDDP(nn.Module, Joinable):
 
     Beyond DDP's arguments, the keyword ``bucket_plan="tuned"`` re-plans the buckets after two
     measured iterations so that the work after backward (the last reductions, the copies into
-    ``param.grad`` and an overlapped optimizer's updates) ends as early as the link allows.
+    ``param.grad`` and an overlapped optimizer's updates) ends as early as the link allows, then
+    runs that plan and DDP's fixed layouts for a few iterations each and keeps the fastest.
 
     Example::
 
@@ -145,11 +146,6 @@ class OverlapDDP(nn.Module, Joinable):
             )
         if bucket_plan not in BUCKET_PLANS:
             raise ValueError(f"bucket_plan must be one of {', '.join(map(repr, BUCKET_PLANS))}, got {bucket_plan!r}.")
-        if bucket_plan == "tuned" and self.device.type != "cpu":
-            raise NotImplementedError(
-                "bucket_plan='tuned' times each bucket's collective from the host, which CUDA collectives do "
-                "not report (NCCL's future completes at enqueue); use bucket_plan='ddp' on GPUs for now."
-            )
         if bucket_plan == "tuned" and any(sparse):
             raise ValueError(
                 "bucket_plan='tuned' groups gradients into flat buffers, but "

@@ -1,24 +1,28 @@
 """``bucket_plan="tuned"``: the planner alone (optimal against brute force, link fit), then in training.
 
-In training: bit-equal to DDP at world size 2 at every step, before and after the re-plan; every
-rank adopts rank 0's layout; the layout survives a checkpoint; and a run where each rank adopts its
-own plan (no agreement) is caught.
+In training, with the selection's timings injected (they differ per rank): bit-equal to DDP at world
+size 2 at every step, through every candidate layout; every rank adopts the layout that is fastest by
+the slowest rank's times, at the same step; the layout survives a checkpoint; and runs where each
+rank adopts its own modelled plan, or picks its own fastest candidate, are caught. The selection
+loop alone is in test_plan_selection.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
 import itertools
 import random
+from typing import Callable, Iterator
 
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from overlapddp import OverlapDDP, plan_tuner
-from overlapddp.bucket_plan import BucketPlan
+from overlapddp import OverlapDDP, plan_selection, plan_tuner
+from overlapddp.bucket_plan import BucketPlan, explicit_plan
 from overlapddp.tuned_plan import (
     BucketTiming,
     FinalizeFit,
@@ -31,8 +35,10 @@ from overlapddp.tuned_plan import (
 from tests import models
 from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
 
-STEPS = 6  # iteration 1: one bucket; 2-3: DDP's rebuilt layout, measured; 4-6: the tuned layout
-TUNED_FROM = 1 + plan_tuner.CALIBRATION_ITERATIONS  # index of the first step with the tuned layout
+TUNED_FROM = 1 + plan_tuner.CALIBRATION_ITERATIONS  # the first step with a selected candidate (the model's plan)
+# Step 0: one bucket; from 1: DDP's rebuilt layout, measured; from TUNED_FROM: each candidate in turn;
+# then the chosen one (one step later with static_graph), at the latest from 1 + TUNING_ITERATIONS.
+STEPS = 2 + plan_tuner.TUNING_ITERATIONS
 # (name, model, optimizer, DDP options): the tuned plan also moves gradient_as_bucket_view's views
 # and follows static_graph's delayed first iteration (reentrant checkpointing).
 CASES = (
@@ -41,6 +47,7 @@ CASES = (
     ("cnn_bn-bucket_view", "cnn_bn", "sgd", {"gradient_as_bucket_view": True}),
     ("checkpointed-static", "checkpointed", "sgd", {"static_graph": True}),
 )
+CASE_NAMES = [case for case, _, _, _ in CASES]
 
 
 # -- the planner alone -------------------------------------------------------------------------
@@ -192,40 +199,113 @@ def test_bucket_plan_keyword_is_checked(one_rank):
 
 
 # -- in training -------------------------------------------------------------------------------
+# Four spawns: trained(2) (with the ready-times and PowerSGD checks), trained(3), the own-plan fault
+# at 2 ranks, and resumed(3) (with the own-pick fault).
 
 
-def _planned_ready_times(rank: int, world_size: int) -> list[float] | None:
+def _injected_seconds(rank: int, candidates: int, chosen: int) -> list[list[float]]:
+    """Per candidate, this rank's time of each selection iteration, such that rank r alone would
+    pick candidate r % candidates but ``chosen`` is the fastest by the median of each iteration's
+    slowest rank; one iteration of it is an outlier (a mean would not pick it)."""
+    def seconds(c: int, iteration: int) -> float:
+        if c == chosen and rank == 0 and iteration == 0:
+            return 10.0
+        return 1.0 if c == rank % candidates else 1.5 if c == chosen else 2.0
+
+    return [[seconds(c, i) for i in range(plan_selection.ITERATIONS_PER_CANDIDATE)] for c in range(candidates)]
+
+
+@contextlib.contextmanager
+def _injected_selection(rank: int, choose: Callable[[int], int], own_pick: bool = False) -> Iterator[list]:
+    """This rank's selections time their candidates as ``_injected_seconds`` says, ``choose(count)``
+    being the intended winner; yields the list each selection's candidates are appended to. Fault
+    ``own_pick``: every rank picks its own fastest (no all-reduce, no broadcast)."""
+    seen: list[list[list[int]]] = []
+
+    class Injected(plan_selection.PlanSelection):
+        def __init__(self, candidates, *args, **kwargs):
+            seen.append([[list(members) for members in plan.buckets] for plan in candidates])
+            super().__init__(candidates, *args, **kwargs)
+
+        def local_seconds(self):
+            return _injected_seconds(rank, len(self.candidates), choose(len(self.candidates)))
+
+    def own_fastest(local, process_group, device):
+        return plan_selection.fastest(local)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(plan_tuner, "PlanSelection", Injected)
+        if own_pick:
+            patch.setattr(plan_selection, "agree_on_fastest", own_fastest)
+        yield seen
+
+
+@contextlib.contextmanager
+def _timing_free_model_plan() -> Iterator[None]:
+    """The model's plan is computed, then replaced by the parameters in index order cut in three:
+    a layout the timings do not change, and unlike any layout of byte caps over the ready order."""
+    planner = plan_tuner.tuned_plan
+
+    def thirds(params, ready, link, finalize):
+        planner(params, ready, link, finalize)
+        cut = len(params) // 3
+        return explicit_plan(params, [range(cut), range(cut, 2 * cut), range(2 * cut, len(params))])
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(plan_tuner, "tuned_plan", thirds)
+        yield
+
+
+def _train_steps(model: OverlapDDP, opt: torch.optim.Optimizer, name: str, rank: int, steps: range) -> None:
+    for step in steps:
+        inputs, target = models.batch(name, rank, step)
+        models.loss_of(model(inputs), target).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _planned_ready_times(rank: int) -> list[float] | None:
     """Rank 1 reports every gradient ready 5 s into backward; return what rank 0 planned with."""
     seen: dict[str, list[float]] = {}
-    if rank == 1:
-        plan_tuner.PlanTuner._median_ready = lambda self: [5.0] * len(self._params)
     planner = plan_tuner.tuned_plan
 
     def spy(params, ready, link, finalize):
         seen["ready"] = list(ready)
         return planner(params, ready, link, finalize)
 
-    plan_tuner.tuned_plan = spy
-    ours = OverlapDDP(models.build("cnn_bn"), bucket_cap_mb=0.01, bucket_plan="tuned")
-    opt = models.optimizer("sgd", ours.parameters())
-    for step in range(STEPS):
-        inputs, target = models.batch("cnn_bn", rank, step)
-        models.loss_of(ours(inputs), target).backward()
-        opt.step()
-        opt.zero_grad()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(plan_tuner, "tuned_plan", spy)
+        if rank == 1:
+            patch.setattr(plan_tuner.PlanTuner, "_median_ready", lambda self: [5.0] * len(self._params))
+        ours = OverlapDDP(models.build("cnn_bn"), bucket_cap_mb=0.01, bucket_plan="tuned")
+        _train_steps(ours, models.optimizer("sgd", ours.parameters()), "cnn_bn", rank, range(TUNED_FROM + 1))
     return seen.get("ready")
 
 
-def test_rank_0_plans_with_the_slowest_ranks_ready_times():
-    # A bucket's collective proceeds only when every rank launched it, so the plan must use the
-    # latest ready time of each gradient over the ranks, not rank 0's own.
-    planned = run_ranks(2, _planned_ready_times)[0]
-    assert planned is not None and planned == [5.0] * len(planned)
+def _powersgd_over_the_tuned_plan(rank: int) -> str:
+    """The error for a PowerSGD start before the layout is final; then a run with a late start."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    model = OverlapDDP(models.build("cnn_bn"), bucket_cap_mb=0.01, bucket_plan="tuned")
+    final = 1 + plan_tuner.TUNING_ITERATIONS
+    early = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=final - 1)
+    try:
+        model.register_comm_hook(early, powersgd.powerSGD_hook)
+    except ValueError as error:
+        refused = str(error)
+    else:
+        refused = "no error"
+    late = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=final)
+    model.register_comm_hook(late, powersgd.powerSGD_hook)
+    # Compression starts on the final layout and keeps working.
+    _train_steps(model, models.optimizer("sgd", model.parameters()), "cnn_bn", rank, range(final + 2))
+    return refused
 
 
-def _own_plan_fault(rank: int) -> None:
-    """Fault: rank 1 does not adopt rank 0's layout as sent; it orders each bucket's members its own
-    way (same bucket sizes, so the collectives run, but they sum mismatched values)."""
+@contextlib.contextmanager
+def _own_plan_fault(rank: int) -> Iterator[None]:
+    """Fault: rank 1 does not adopt rank 0's modelled layout as sent; it orders each bucket's members
+    its own way (same bucket sizes, so the collectives run, but they sum mismatched values)."""
     agree = plan_tuner.PlanTuner.agree
 
     def own_order(self, process_group, device):
@@ -234,133 +314,197 @@ def _own_plan_fault(rank: int) -> None:
             return BucketPlan(tuple(tuple(reversed(b)) for b in plan.buckets), plan.size_limits)
         return plan
 
-    plan_tuner.PlanTuner.agree = own_order
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(plan_tuner.PlanTuner, "agree", own_order)
+        yield
 
 
-def _train(rank: int, world_size: int, own_plans: bool = False) -> dict[str, object]:
-    if own_plans:
-        _own_plan_fault(rank)
+def _train(rank: int, world_size: int, fault: str | None = None) -> dict[str, object]:
+    """Every case side by side with DDP, the selection's timings injected: the last candidate wins,
+    or under the fault ``"own-plan"`` the model's plan (the fault needs it to win)."""
     results: dict[str, object] = {}
-    for case, model_name, opt_name, options in CASES:
-        ddp = DistributedDataParallel(models.build(model_name), bucket_cap_mb=0.01, **options)
-        ours = OverlapDDP(models.build(model_name), bucket_cap_mb=0.01, bucket_plan="tuned", **options)
-        ddp_opt, our_opt = models.optimizer(opt_name, ddp.parameters()), models.optimizer(opt_name, ours.parameters())
-        equal, layouts, tuned = [], [], []
-        for step in range(STEPS):
-            inputs, target = models.batch(model_name, rank, step)
-            for wrapper, opt in ((ddp, ddp_opt), (ours, our_opt)):
-                models.loss_of(wrapper(inputs), target).backward()
-                opt.step()
-                # Keeping the gradients keeps gradient_as_bucket_view's views alive across the re-plan.
-                opt.zero_grad(set_to_none=not options.get("gradient_as_bucket_view", False))
-            equal.append(all(torch.equal(a, b) for a, b in zip(ddp.state_dict().values(), ours.state_dict().values())))
-            layouts.append(ours.bucket_indices())
-            tuned.append(ours.bucket_state()["tuned_buckets"] is not None)
-        results[case] = {
-            "equal": equal,
-            "tuned": tuned,
-            "layouts": layouts,
-            "state": ours.bucket_state(),
-            "parameters": hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in ours.parameters())).hexdigest(),
-        }
+    with contextlib.ExitStack() as stack:
+        if fault == "own-plan":
+            stack.enter_context(_own_plan_fault(rank))
+        choose = (lambda count: 0) if fault == "own-plan" else (lambda count: count - 1)
+        seen = stack.enter_context(_injected_selection(rank, choose))
+        stack.enter_context(_timing_free_model_plan())
+        for case, model_name, opt_name, options in CASES:
+            seen.clear()
+            ddp = DistributedDataParallel(models.build(model_name), bucket_cap_mb=0.01, **options)
+            ours = OverlapDDP(models.build(model_name), bucket_cap_mb=0.01, bucket_plan="tuned", **options)
+            ddp_opt = models.optimizer(opt_name, ddp.parameters())
+            our_opt = models.optimizer(opt_name, ours.parameters())
+            equal, layouts, tuned = [], [], []
+            for step in range(STEPS):
+                inputs, target = models.batch(model_name, rank, step)
+                for wrapper, opt in ((ddp, ddp_opt), (ours, our_opt)):
+                    models.loss_of(wrapper(inputs), target).backward()
+                    opt.step()
+                    # Keeping the gradients keeps gradient_as_bucket_view's views alive across re-plans.
+                    opt.zero_grad(set_to_none=not options.get("gradient_as_bucket_view", False))
+                states = zip(ddp.state_dict().values(), ours.state_dict().values())
+                equal.append(all(torch.equal(a, b) for a, b in states))
+                layouts.append(ours.bucket_indices())
+                tuned.append(ours.bucket_state()["tuned_buckets"] is not None)
+            parameters = b"".join(p.detach().numpy().tobytes() for p in ours.parameters())
+            results[case] = {
+                "equal": equal,
+                "tuned": tuned,
+                "layouts": layouts,
+                "candidates": seen[0] if seen else None,
+                "state": ours.bucket_state(),
+                "parameters": hashlib.sha256(parameters).hexdigest(),
+            }
+    if world_size == 2 and fault is None:
+        results["planned_ready"] = _planned_ready_times(rank)
+        results["powersgd_refusal"] = _powersgd_over_the_tuned_plan(rank)
     return results
 
 
 @functools.cache
-def trained(world_size: int) -> list[dict[str, object]]:
-    return run_ranks(world_size, _train, timeout_s=SLOW_TIMEOUT_S)
+def trained(world_size: int, fault: str | None = None) -> list[dict[str, object]]:
+    return run_ranks(world_size, _train, fault, timeout_s=SLOW_TIMEOUT_S)
 
 
-def test_tuned_plan_is_bit_equal_to_ddp_at_world_size_2_before_and_after_the_replan():
+def _settled_at(case: str, candidates: int) -> int:
+    """The step whose forward installs the final layout: after DDP's rebuild (step 1, 2 with a
+    static graph), the calibration, and each candidate's iterations (none for a single candidate)."""
+    rebuilt = 2 if "static" in case else 1
+    selection = candidates * plan_selection.ITERATIONS_PER_CANDIDATE if candidates > 1 else 0
+    return rebuilt + plan_tuner.CALIBRATION_ITERATIONS + selection
+
+
+def _same_on_every_rank(layouts: list[object], what: str) -> None:
+    assert all(layout == layouts[0] for layout in layouts), f"{what}: the ranks' layouts differ: {layouts}"
+
+
+def test_tuned_plan_is_bit_equal_to_ddp_at_world_size_2_through_every_layout():
     for rank, results in enumerate(trained(2)):
-        for model_name, result in results.items():
-            assert result["equal"] == [True] * STEPS, f"rank {rank} {model_name}: {result['equal']}"
+        for case in CASE_NAMES:
+            result = results[case]
+            assert result["equal"] == [True] * STEPS, f"rank {rank} {case}: {result['equal']}"
             assert result["state"]["tuned_buckets"] == result["layouts"][-1]
 
 
-def test_every_rank_adopts_rank_0s_tuned_layout_at_the_same_step():
+def test_every_rank_adopts_the_fastest_layout_by_the_slowest_ranks_times_at_the_same_step():
+    # The injected timings differ per rank: each rank alone would pick another candidate.
     for world_size in (2, 3):
         per_rank = trained(world_size)
-        for model_name in per_rank[0]:
-            layouts = [r[model_name]["layouts"] for r in per_rank]
-            assert all(layout == layouts[0] for layout in layouts), model_name
-            # The re-plan happened, at the forward the reducer announces, and the layout then stays
-            # (the tuned layout may happen to equal DDP's, so the change itself is not required).
-            replan = TUNED_FROM + (1 if "static" in model_name else 0)
-            assert per_rank[0][model_name]["tuned"] == [False] * replan + [True] * (STEPS - replan), model_name
-            assert layouts[0][replan:] == [layouts[0][-1]] * (STEPS - replan)
-            assert per_rank[0][model_name]["state"]["tuned_buckets"] is not None
+        for case in CASE_NAMES:
+            _same_on_every_rank([r[case]["layouts"] for r in per_rank], case)
+            layouts, candidates = per_rank[0][case]["layouts"], per_rank[0][case]["candidates"]
+            count = len(candidates)
+            settled = _settled_at(case, count)
+            assert settled < STEPS and per_rank[0][case]["tuned"] == [False] * settled + [True] * (STEPS - settled)
+            # The winner, recomputed: each iteration's slowest rank, then the lowest median.
+            times = [_injected_seconds(rank, count, count - 1) for rank in range(world_size)]
+            slowest = [[max(t[c][i] for t in times) for i in range(len(times[0][c]))] for c in range(count)]
+            assert layouts[-1] == candidates[plan_selection.fastest(slowest)], case
+            assert layouts[settled:] == [layouts[-1]] * (STEPS - settled), case
+            # The candidates took turns, each for its iterations, before the winner was installed.
+            ran = layouts[settled - count * plan_selection.ITERATIONS_PER_CANDIDATE: settled]
+            assert ran == candidates * plan_selection.ITERATIONS_PER_CANDIDATE, case
+            assert count > 1, f"{case}: the model's plan and the user's caps differ, so there is a selection"
 
 
 def test_at_world_size_3_replicas_stay_identical_and_follow_ddp_closely():
     # The same reduction in other buckets: gloo may sum in another order at 3 ranks, so DDP is only
     # matched to float32 rounding here, but every replica must hold exactly the same parameters.
     per_rank = trained(3)
-    for model_name in per_rank[0]:
-        assert len({r[model_name]["parameters"] for r in per_rank}) == 1, model_name
-        assert all(per_rank[0][model_name]["equal"][:TUNED_FROM]), model_name  # DDP's layout until the re-plan
+    for case in CASE_NAMES:
+        assert len({r[case]["parameters"] for r in per_rank}) == 1, case
+        assert all(per_rank[0][case]["equal"][:TUNED_FROM]), case  # DDP's layout until the model's plan
 
 
-def test_ranks_adopting_their_own_plans_are_caught():
-    per_rank = run_ranks(2, _train, True, timeout_s=SLOW_TIMEOUT_S)
-    for model_name in per_rank[0]:
-        assert any(len(b) > 1 for b in per_rank[0][model_name]["layouts"][-1]), "the fault needs a shared bucket"
-        assert all(r[model_name]["equal"][:TUNED_FROM] for r in per_rank)
-        assert not any(r[model_name]["equal"][-1] for r in per_rank), model_name
+def test_ranks_adopting_their_own_modelled_plans_are_caught():
+    per_rank = trained(2, "own-plan")
+    for case in CASE_NAMES:
+        assert per_rank[0][case]["layouts"][-1] == per_rank[0][case]["candidates"][0]  # the model's plan won
+        assert any(len(b) > 1 for b in per_rank[0][case]["layouts"][-1]), "the fault needs a shared bucket"
+        assert all(r[case]["equal"][:TUNED_FROM] for r in per_rank)
+        assert not any(r[case]["equal"][-1] for r in per_rank), case
 
 
-def _resume(rank: int, world_size: int) -> bool:
-    """A run that restores a tuned checkpoint continues bit-equal to the uninterrupted run."""
-    def run(steps: range, model: OverlapDDP, opt) -> None:
-        for step in steps:
+def test_rank_0_plans_with_the_slowest_ranks_ready_times():
+    # A bucket's collective proceeds only when every rank launched it, so the plan must use the
+    # latest ready time of each gradient over the ranks, not rank 0's own.
+    planned = trained(2)[0]["planned_ready"]
+    assert planned is not None and planned == [5.0] * len(planned)
+
+
+def test_powersgd_must_start_after_the_tuned_layout_is_final():
+    for result in trained(2):
+        assert f"set start_powerSGD_iter >= {1 + plan_tuner.TUNING_ITERATIONS}" in result["powersgd_refusal"]
+
+
+def _final_layout(rank: int, own_pick: bool) -> list[list[int]]:
+    """The layout each rank installs when the selection ends (taken after that forward, before a
+    backward whose collectives would not match if the ranks disagree)."""
+    with _injected_selection(rank, lambda count: count - 1, own_pick), _timing_free_model_plan():
+        model = OverlapDDP(models.build("cnn_bn"), bucket_cap_mb=0.001, bucket_plan="tuned")
+        opt = models.optimizer("sgd", model.parameters())
+        for step in range(STEPS):
             inputs, target = models.batch("cnn_bn", rank, step)
-            models.loss_of(model(inputs), target).backward()
+            output = model(inputs)
+            if model.bucket_state()["tuned_buckets"] is not None:
+                return model.bucket_indices()
+            models.loss_of(output, target).backward()
             opt.step()
             opt.zero_grad()
+    raise AssertionError("the selection did not end")
 
-    whole = OverlapDDP(models.build("cnn_bn"), bucket_cap_mb=0.01, bucket_plan="tuned")
-    whole_opt = models.optimizer("sgd", whole.parameters())
-    run(range(TUNED_FROM + 1), whole, whole_opt)
+
+def _resume(rank: int, world_size: int) -> dict[str, object]:
+    """A run that restores a checkpoint of the selected layout continues bit-equal to the
+    uninterrupted run. The injected timings select DDP's default layout (one bucket here), which
+    is neither the model's plan nor the layout of the user's caps (0.001 MiB: two buckets). Then the layouts
+    the ranks pick when each picks its own fastest, and when they agree."""
+    def run(steps: range, model: OverlapDDP, opt: torch.optim.Optimizer) -> bool:
+        """Train ``steps``; whether the layout is final after them."""
+        _train_steps(model, opt, "cnn_bn", rank, steps)
+        return model.bucket_state()["tuned_buckets"] is not None
+
+    with _injected_selection(rank, lambda count: count - 1) as seen, _timing_free_model_plan():
+        whole = OverlapDDP(models.build("cnn_bn"), bucket_cap_mb=0.001, bucket_plan="tuned")
+        whole_opt = models.optimizer("sgd", whole.parameters())
+        settled = next(step for step in range(STEPS) if run(range(step, step + 1), whole, whole_opt))
     # As torch.save would: a copy, not the live tensors that the run goes on updating.
     checkpoint = copy.deepcopy((whole.state_dict(), whole_opt.state_dict(), whole.bucket_state()))
-    run(range(TUNED_FROM + 1, STEPS + 2), whole, whole_opt)
+    run(range(settled + 1, settled + 4), whole, whole_opt)
 
-    resumed = OverlapDDP(models.build("cnn_bn"), bucket_cap_mb=0.01, bucket_plan="tuned")
+    resumed = OverlapDDP(models.build("cnn_bn"), bucket_cap_mb=0.001, bucket_plan="tuned")
     resumed_opt = models.optimizer("sgd", resumed.parameters())
     resumed.load_state_dict(checkpoint[0])
     resumed_opt.load_state_dict(checkpoint[1])
     resumed.load_bucket_state(checkpoint[2])
-    same_layout = resumed.bucket_indices() == checkpoint[2]["tuned_buckets"]
-    run(range(TUNED_FROM + 1, STEPS + 2), resumed, resumed_opt)
-    return same_layout and all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(), resumed.state_dict().values()))
+    restored = resumed.bucket_indices()
+    run(range(settled + 1, settled + 4), resumed, resumed_opt)
+    states = zip(whole.state_dict().values(), resumed.state_dict().values())
+    return {
+        "candidates": seen[0],
+        "saved": checkpoint[2]["tuned_buckets"],
+        "restored": restored,
+        "equal": all(torch.equal(a, b) for a, b in states),
+        "agreed": _final_layout(rank, own_pick=False),
+        "own_pick": _final_layout(rank, own_pick=True),
+    }
 
 
-def test_a_tuned_checkpoint_resumes_with_the_same_layout_and_bits():
-    assert run_ranks(3, _resume, timeout_s=SLOW_TIMEOUT_S) == [True] * 3
+@functools.cache
+def resumed() -> list[dict[str, object]]:
+    return run_ranks(3, _resume, timeout_s=SLOW_TIMEOUT_S)
 
 
-def _powersgd_over_the_tuned_plan(rank: int, world_size: int) -> str:
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
-
-    model = OverlapDDP(models.build("cnn_bn"), bucket_cap_mb=0.01, bucket_plan="tuned")
-    early = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
-    try:
-        model.register_comm_hook(early, powersgd.powerSGD_hook)
-    except ValueError as error:
-        refused = str(error)
-    else:
-        refused = "no error"
-    late = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=TUNED_FROM)
-    model.register_comm_hook(late, powersgd.powerSGD_hook)
-    opt = models.optimizer("sgd", model.parameters())
-    for step in range(STEPS):  # compression starts on the tuned layout and keeps working
-        inputs, target = models.batch("cnn_bn", rank, step)
-        models.loss_of(model(inputs), target).backward()
-        opt.step()
-        opt.zero_grad()
-    return refused
+def test_a_checkpoint_of_the_selected_layout_resumes_with_the_same_layout_and_bits():
+    for result in resumed():
+        assert len(result["candidates"]) == 3  # the model's plan, the user's caps, one bucket (DDP's default)
+        assert result["saved"] == result["restored"] == result["candidates"][-1]
+        assert result["equal"]
 
 
-def test_powersgd_must_start_after_the_tuned_layout_is_final():
-    for refused in run_ranks(2, _powersgd_over_the_tuned_plan):
-        assert f"set start_powerSGD_iter >= {TUNED_FROM}" in refused
+def test_ranks_that_pick_their_own_fastest_layout_are_caught():
+    per_rank = resumed()
+    _same_on_every_rank([r["agreed"] for r in per_rank], "agreed")
+    with pytest.raises(AssertionError, match="the ranks' layouts differ"):
+        _same_on_every_rank([r["own_pick"] for r in per_rank], "own pick")

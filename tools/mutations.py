@@ -88,7 +88,7 @@ MUTATIONS = (
         "copy_out_skipped",
         "the reduced values are never copied into param.grad (each rank steps on its local gradient)",
         "overlapddp/bucket_storage.py",
-        "                torch._foreach_copy_([self.params[i].grad for i in chosen], reduced)",
+        "                foreach_copy_([self.params[i].grad for i in chosen], reduced)",
         "                pass",
         (f"{READY_VALUES}[rank_ordered-sgd-cap0.001-2]",),
     ),

@@ -1,0 +1,67 @@
+"""When did it happen? Time stamps for the tuned plan: the host clock on CPU, CUDA events on GPUs.
+
+On CPU a collective's future completes when its result is final, so the host clock times it. NCCL's
+future completes at enqueue and CUDA kernels run after the host issued them, so on a GPU every stamp
+is an event recorded on the stream doing the work (the communication stream for a collective, the
+current stream otherwise), read as ``elapsed_time`` from an origin event once the work is done.
+A stamp is taken now and read later (:meth:`HostClock.seconds`), so timing never blocks the host
+except when the timings are read, once per measured iteration or selection.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence, Union
+
+import torch
+
+Stamp = Union[float, list, "torch.cuda.Event"]
+
+
+class HostClock:
+    """Host time (``time.perf_counter``); a collective is done when its future's callback runs."""
+
+    def now(self) -> Stamp:
+        return time.perf_counter()
+
+    def done(self, future: torch.futures.Future) -> Stamp:
+        """A stamp of when ``future`` completes (filled by its callback, on any thread)."""
+        box: list[float] = []
+        future.add_done_callback(lambda _: box.append(time.perf_counter()))
+        return box
+
+    def seconds(self, origin: Stamp, stamps: Sequence[Stamp]) -> list[float]:
+        """Each stamp's time from ``origin``; a completion whose callback has not run yet counts as
+        now (it may run just after the waiter woke)."""
+        now = time.perf_counter()
+        return [(min(s, default=now) if isinstance(s, list) else s) - origin for s in stamps]
+
+
+class CudaClock(HostClock):
+    """GPU time: an event per stamp, on the stream that is current when it is taken."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+
+    def now(self) -> Stamp:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self._device))
+        return event
+
+    def done(self, future: torch.futures.Future) -> Stamp:
+        """Called right after the collective was issued, on the communication stream: waiting on a
+        CUDA future makes that stream wait for the collective's own stream (NCCL's future is already
+        complete on the host, so nothing blocks), and an event recorded after the wait completes
+        when the collective does."""
+        future.wait()
+        return self.now()
+
+    def seconds(self, origin: Stamp, stamps: Sequence[Stamp]) -> list[float]:
+        """Waits for every stamped event (the host blocks here, once per read)."""
+        torch.cuda.synchronize(self._device)
+        return [origin.elapsed_time(s) / 1e3 for s in stamps]
+
+
+def clock_for(device: torch.device) -> HostClock:
+    """The clock that times work on ``device``."""
+    return CudaClock(device) if device.type == "cuda" else HostClock()
