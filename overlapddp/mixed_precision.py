@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from overlapddp.torch_compat import in_backward, queue_callback
+
 
 class MixedPrecision:
     """DDP's three dtypes, read from a ``_MixedPrecision`` (or any object with those attributes)."""
@@ -106,7 +108,7 @@ class ReduceInPrecision:
     def restore_at_end_of_backward(self) -> None:
         """Queue, once per backward, the return of every parameter still in ``param_dtype`` (frozen
         ones, which backward may need until its end) to full precision."""
-        if self._end_queued or torch._C._current_graph_task_id() == -1:
+        if self._end_queued or not in_backward():
             return
         self._end_queued = True
         queue_callback(self._restore_all)
