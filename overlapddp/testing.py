@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
@@ -54,6 +55,7 @@ class DelayedFence(Fence):
         self.inner = inner
         self.seconds = seconds
         self.stage = stage
+        self._on_cuda: dict[int, bool] = {}
 
     @property  # type: ignore[override]
     def log(self) -> FenceLog | None:
@@ -69,6 +71,7 @@ class DelayedFence(Fence):
             self._sleep_where_the_copy_runs()
 
     def produced(self, bucket: int, buffer: torch.Tensor) -> None:
+        self._on_cuda[bucket] = buffer.is_cuda
         self.inner.produced(bucket, buffer)
 
     def launch(self, bucket: int, start: Callable[[], Future]) -> None:
@@ -76,7 +79,8 @@ class DelayedFence(Fence):
             time.sleep(self.seconds)
             self.inner.launch(bucket, lambda: _after_device_sleep(start, self.seconds))
         elif self.stage == "completion":
-            self.inner.launch(bucket, lambda: _resolve_late(start(), self.seconds))
+            on_cuda = self._on_cuda.get(bucket, False)
+            self.inner.launch(bucket, lambda: _resolve_late(start(), self.seconds, on_cuda))
         else:
             self.inner.launch(bucket, start)
 
@@ -124,21 +128,43 @@ def _after_device_sleep(start: Callable[[], Future], seconds: float) -> Future:
     return start()
 
 
-def _resolve_late(future: Future, seconds: float) -> Future:
-    def late(done: Future) -> Any:
-        value = done.value()
-        tensor = value[0] if isinstance(value, (list, tuple)) else value
-        if not (isinstance(tensor, torch.Tensor) and tensor.is_cuda):
-            time.sleep(seconds)
-            return value
-        # The callback's stream (current here) is what the future's readers wait for: delay it,
-        # then write the result on it, so a reader that does not wait reads NaN or garbage.
-        late_copy = torch.full_like(tensor, float("nan"))
-        _device_sleep(seconds)
-        late_copy.copy_(tensor)
-        return [late_copy] if isinstance(value, (list, tuple)) else late_copy
+def _resolve_late(future: Future, seconds: float, on_cuda: bool) -> Future:
+    if on_cuda:
+        return future.then(lambda done: _written_late_on_stream(done, seconds))
+    return _resolved_from_a_timer(future, seconds)
 
-    return future.then(late)
+
+def _written_late_on_stream(done: Future, seconds: float) -> Any:
+    """The callback's stream (current here) is what the future's readers wait for: delay it, then
+    write the result on it, so a reader that does not wait reads NaN or garbage."""
+    value = done.value()
+    tensor = value[0] if isinstance(value, (list, tuple)) else value
+    late_copy = torch.full_like(tensor, float("nan"))
+    _device_sleep(seconds)
+    late_copy.copy_(tensor)
+    return [late_copy] if isinstance(value, (list, tuple)) else late_copy
+
+
+def _resolved_from_a_timer(future: Future, seconds: float) -> Future:
+    """A future that resolves ``seconds`` after ``future``, set from a timer thread.
+
+    Not a sleep in a callback: a callback attached to a collective that has already finished runs
+    at once on the attaching thread, which would stall backward instead of the communication.
+    """
+    late: Future = Future()
+
+    def arm(done: Future) -> None:
+        try:
+            value = done.value()
+        except Exception as error:  # noqa: BLE001 - handed on to whoever waits on the late future
+            late.set_exception(error)
+            return
+        timer = threading.Timer(seconds, late.set_result, args=(value,))
+        timer.daemon = True
+        timer.start()
+
+    future.add_done_callback(arm)
+    return late
 
 
 class UnfencedFence(Fence):
