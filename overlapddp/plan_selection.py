@@ -5,19 +5,28 @@ layouts a user could pick by hand, over the same gradient-ready order (DDP's reb
 force (the user's caps), DDP's default (a 1 MiB first bucket, then 25 MiB), and caps of 1 and 5 MiB;
 each layout counted once. The loop, driven from the reducer at every grad-enabled forward:
 
-    for round in range(ITERATIONS_PER_CANDIDATE):
-        for candidate in candidates:               # install it between two iterations
+    running = every candidate                      # the screen (skipped for two or fewer)
+    for round in range(SCREENING_ITERATIONS):
+        for candidate in running:                  # install it between two iterations
             run one iteration, time it on every rank
-    times = max over ranks of each iteration       # one all-reduce: a step is its slowest rank's
-    rank 0 picks the lowest median, broadcasts it  # every rank adopts the same layout
+    running = the FINALISTS with the lowest medians  # agreed by every rank (below)
+    the same for FINAL_ITERATIONS rounds, timed afresh
+    winner = the finalist with the lowest median   # agreed by every rank
 
-The candidates take turns, so a slow spell of the machine or the link (another job, a data-loader
-stall) falls on all of them rather than on one.
+Agreement: each iteration counts as its slowest rank's (one all-reduce MAX of the times: a step is
+its slowest rank's); rank 0 ranks the candidates and broadcasts the ranking.
+
+Why two phases: one candidate whose layout is clearly wrong shows in two iterations, but the close
+ones differ by a few percent, less than one iteration's noise. The finalists therefore get more
+iterations, all measured later in the run (the first iterations of a process run slower while its
+caches and allocator warm up) and taking turns, so that a slow spell of the machine or the link
+(another job, a data-loader stall) falls on both.
 
 An iteration's time is from one grad-enabled forward that follows a synchronized backward to the
 next one: forward, backward, the reductions and the optimizer (and any no_sync micro-steps between).
-Cost: at most ``MAX_CANDIDATES`` (5) x ``ITERATIONS_PER_CANDIDATE`` (3) = 15 iterations after the
-tuner's calibration iterations; fewer where layouts coincide (small models), none for a single one.
+Cost: at most ``MAX_CANDIDATES`` (5) x ``SCREENING_ITERATIONS`` (2) + ``FINALISTS`` (2) x
+``FINAL_ITERATIONS`` (4) = 18 iterations after the tuner's calibration; 8 for two candidates, none
+for a single one.
 """
 
 from __future__ import annotations
@@ -31,11 +40,13 @@ import torch.distributed as dist
 from overlapddp.bucket_plan import MIB, BucketCaps, BucketPlan, rebuilt_plan
 from overlapddp.clock import HostClock, Stamp
 
-ITERATIONS_PER_CANDIDATE = 3  # the median of 3 ignores one disturbed iteration
+SCREENING_ITERATIONS = 2  # enough to drop a layout that is clearly slower
+FINALISTS = 2
+FINAL_ITERATIONS = 4  # the median of 4 ignores one disturbed iteration on either side
 # (first bucket, later buckets) in MiB over the ready order: DDP's default, then caps of 1 and 5 MiB.
 FIXED_CAPS_MB = ((1, 25), (1, 1), (5, 5))
 MAX_CANDIDATES = len(FIXED_CAPS_MB) + 2  # with the model's plan and the layout in force
-MAX_SELECTION_ITERATIONS = MAX_CANDIDATES * ITERATIONS_PER_CANDIDATE
+MAX_SELECTION_ITERATIONS = MAX_CANDIDATES * SCREENING_ITERATIONS + FINALISTS * FINAL_ITERATIONS
 
 
 def candidate_layouts(
@@ -58,50 +69,70 @@ def candidate_layouts(
     return layouts
 
 
-def fastest(seconds: Sequence[Sequence[float]]) -> int:
-    """The candidate whose median iteration time is lowest (the earliest of equals)."""
+def ranking(seconds: Sequence[Sequence[float]]) -> list[int]:
+    """Candidate indices from the lowest median iteration time up (the earlier of equals first)."""
     medians = [statistics.median(times) for times in seconds]
-    return min(range(len(medians)), key=lambda c: (medians[c], c))
+    return sorted(range(len(medians)), key=lambda c: (medians[c], c))
 
 
-def agree_on_fastest(local: Sequence[Sequence[float]], process_group: dist.ProcessGroup, device: torch.device) -> int:
-    """Every rank's times in, one candidate index out, the same on every rank (collectives).
+def agree_on_ranking(
+    local: Sequence[Sequence[float]], process_group: dist.ProcessGroup, device: torch.device
+) -> list[int]:
+    """Every rank's times in, one ranking out, the same on every rank (collectives).
 
-    Each iteration counts as its slowest rank's time; rank 0 picks and broadcasts its pick."""
+    Each iteration counts as its slowest rank's time; rank 0 ranks and broadcasts its ranking."""
     times = torch.tensor(local, dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=process_group)
-    choice = torch.zeros(1, dtype=torch.int64, device=device)
+    order = torch.zeros(len(local), dtype=torch.int64, device=device)
     if dist.get_rank(process_group) == 0:
-        choice[0] = fastest(times.tolist())
-    dist.broadcast(choice, src=dist.get_global_rank(process_group, 0), group=process_group)
-    return int(choice.item())
+        order[:] = torch.tensor(ranking(times.tolist()))
+    dist.broadcast(order, src=dist.get_global_rank(process_group, 0), group=process_group)
+    return order.tolist()
 
 
 class PlanSelection:
     """The loop above, one step per grad-enabled forward: which layout runs, and which one won."""
 
     def __init__(
-        self, candidates: Sequence[BucketPlan], clock: HostClock, iterations: int = ITERATIONS_PER_CANDIDATE
+        self,
+        candidates: Sequence[BucketPlan],
+        clock: HostClock,
+        screening: int = SCREENING_ITERATIONS,
+        final: int = FINAL_ITERATIONS,
     ) -> None:
-        if not candidates or iterations < 1:
-            raise ValueError(f"A selection needs candidates and iterations; got {len(candidates)} and {iterations}.")
+        if not candidates or screening < 1 or final < 1:
+            raise ValueError(
+                f"A selection needs candidates and iterations; got {len(candidates)} candidates, "
+                f"{screening} screening and {final} final iterations."
+            )
         self.candidates = list(candidates)
         self._clock = clock
-        self._iterations = iterations
-        # Per candidate: the (start, end) stamps of each of its timed iterations, read at the end.
-        self._timed: list[list[tuple[Stamp, Stamp]]] = [[] for _ in self.candidates]
-        self._count = 0  # iterations timed so far, all candidates together
+        self._final = final
+        self.winner: BucketPlan | None = None  # set by the final agreement
+        everyone = list(range(len(self.candidates)))
+        if len(everyone) > FINALISTS:
+            self._begin_phase(everyone, screening, final_phase=False)
+        else:
+            self._begin_phase(everyone, final, final_phase=True)
+
+    def _begin_phase(self, running: list[int], iterations: int, final_phase: bool) -> None:
+        self.running = running  # the candidate indices taking turns in this phase
+        self.iterations = iterations  # per running candidate
+        self.final_phase = final_phase
+        # Per running candidate: the (start, end) stamps of each of its timed iterations.
+        self._timed: list[list[tuple[Stamp, Stamp]]] = [[] for _ in running]
+        self._count = 0  # iterations timed in this phase, all candidates together
         self._started: Stamp | None = None  # the forward that began the iteration being timed
 
     @property
     def candidate(self) -> int:
-        """The index of the candidate running now (they take turns)."""
-        return self._count % len(self.candidates)
+        """The index (into ``candidates``) of the candidate running now (they take turns)."""
+        return self.running[self._count % len(self.running)]
 
     @property
     def measured(self) -> bool:
-        """Every candidate ran its iterations: the next step is :meth:`agree`."""
-        return self._count == len(self.candidates) * self._iterations
+        """Every running candidate ran this phase's iterations: the next step is :meth:`agree`."""
+        return self._count == len(self.running) * self.iterations
 
     def forward(self, iteration_ended: bool) -> BucketPlan | None:
         """A grad-enabled forward is about to run; ``iteration_ended``: a synchronized backward ran
@@ -109,7 +140,7 @@ class PlanSelection:
         one; call :meth:`started` once that layout is installed."""
         if self._started is None or not iteration_ended:
             return None
-        self._timed[self.candidate].append((self._started, self._clock.now()))
+        self._timed[self._count % len(self.running)].append((self._started, self._clock.now()))
         self._count += 1
         self._started = None
         return None if self.measured else self.candidates[self.candidate]
@@ -125,14 +156,22 @@ class PlanSelection:
         self._started = None
 
     def local_seconds(self) -> list[list[float]]:
-        """This rank's time of each timed iteration, per candidate (blocks on CUDA until they ran)."""
+        """This rank's time of each timed iteration of this phase, per running candidate (blocks on
+        CUDA until they ran)."""
         return [[self._clock.seconds(start, [end])[0] for start, end in timed] for timed in self._timed]
 
     def agree(self, process_group: dist.ProcessGroup, device: torch.device) -> BucketPlan:
-        """The fastest candidate, the same on every rank (collectives; every rank calls)."""
+        """End the phase, the same on every rank (collectives; every rank calls). After the screen:
+        the finalists run next, and the first of them is returned to install. After the final
+        phase: the winner, also kept in :attr:`winner`."""
         if not self.measured:
             raise RuntimeError(
-                f"The selection can only agree once every candidate ran {self._iterations} iterations; "
-                f"{self._count} of {len(self.candidates) * self._iterations} are timed."
+                f"The selection can only agree once every candidate ran {self.iterations} iterations; "
+                f"{self._count} of {len(self.running) * self.iterations} are timed."
             )
-        return self.candidates[agree_on_fastest(self.local_seconds(), process_group, device)]
+        ranked = [self.running[i] for i in agree_on_ranking(self.local_seconds(), process_group, device)]
+        if self.final_phase:
+            self.winner = self.candidates[ranked[0]]
+            return self.winner
+        self._begin_phase(ranked[:FINALISTS], self._final, final_phase=True)
+        return self.candidates[self.candidate]

@@ -148,8 +148,8 @@ class PlanTuner:
     ) -> None:
         """At every grad-enabled forward (every rank): once calibrated, start the selection among
         the model's plan and the fixed layouts over ``ready_order``; during it, time iterations and
-        switch layouts; at its end, ``adopt`` the fastest. Collectives at the same forward on every
-        rank: the counts they depend on are shared."""
+        switch layouts (agreeing on the finalists after the screen); at its end, ``adopt`` the
+        fastest. Collectives at the same forward on every rank: the counts they depend on are shared."""
         if self.done:
             return
         ended, self._ended = self._ended, False
@@ -165,9 +165,11 @@ class PlanTuner:
             adopt(layouts[0])
         else:
             next_plan = self._selection.forward(ended)
-            if self._selection.measured:
-                self._finish(self._selection.agree(process_group, device), adopt)
-                return
+            if self._selection.measured:  # a phase ended: the finalists' first, or the winner
+                next_plan = self._selection.agree(process_group, device)
+                if self._selection.winner is not None:
+                    self._finish(next_plan, adopt)
+                    return
             if next_plan is not None:
                 adopt(next_plan)
         self._selection.started()

@@ -8,7 +8,13 @@ import torch
 
 from overlapddp.bucket_plan import MIB, BucketCaps, BucketPlan, explicit_plan, rebuilt_plan
 from overlapddp.clock import HostClock
-from overlapddp.plan_selection import ITERATIONS_PER_CANDIDATE, PlanSelection, candidate_layouts, fastest
+from overlapddp.plan_selection import (
+    FINAL_ITERATIONS,
+    SCREENING_ITERATIONS,
+    PlanSelection,
+    candidate_layouts,
+    ranking,
+)
 
 
 class FakeClock(HostClock):
@@ -48,47 +54,64 @@ def test_candidates_are_the_model_plan_the_layout_in_force_and_ddps_fixed_caps_e
     assert [c.buckets for c in got] == [(tuple(range(5)),)]
 
 
-def test_fastest_is_the_lowest_median_and_the_earliest_of_equals():
-    assert fastest([[3.0, 1.0, 1.0], [2.0, 2.0, 2.0]]) == 0  # medians 1 and 2; a mean would say 1
-    assert fastest([[1.0, 9.0, 2.0], [2.0, 2.0, 2.0]]) == 0  # one slow iteration does not count
-    assert fastest([[2.0], [1.0], [1.0]]) == 1
+def test_ranking_is_by_median_and_the_earlier_of_equals_first():
+    assert ranking([[3.0, 1.0, 1.0], [2.0, 2.0, 2.0]]) == [0, 1]  # medians 1 and 2; a mean would say 1
+    assert ranking([[1.0, 9.0, 2.0], [2.0, 2.0, 2.0]]) == [0, 1]  # one slow iteration does not count
+    assert ranking([[2.0], [1.0], [1.0]]) == [1, 2, 0]
 
 
-def _drive(selection: PlanSelection, clock: FakeClock, seconds: dict[int, list[float]]) -> list[int]:
-    """Run the loop as the reducer does: per iteration a no_sync micro-step (a forward with no
-    iteration ended, not timed), then the synchronized one; returns the candidate each iteration ran."""
+def _drive(selection: PlanSelection, clock: FakeClock, phases: list[dict[int, list[float]]]) -> list[int]:
+    """Run the loop as the reducer does, to the end: per iteration a no_sync micro-step (a forward
+    with no iteration ended, not timed), then the synchronized one; ``phases[p][c]``: candidate c's
+    iteration times in phase p. Returns the candidate each iteration ran."""
     ran, installed = [], selection.candidates[0]
     selection.started()
-    while not selection.measured:
-        candidate = selection.candidate
-        assert installed == selection.candidates[candidate]  # the layout in force is the one being timed
-        ran.append(candidate)
-        clock.time += seconds[candidate][ran.count(candidate) - 1] / 2
-        assert selection.forward(iteration_ended=False) is None  # a no_sync micro-step's forward
-        selection.started()  # the reducer calls it after every forward
-        clock.time += seconds[candidate][ran.count(candidate) - 1] / 2
-        switch = selection.forward(iteration_ended=True)
-        if switch is not None:
-            installed = switch
-        clock.time += 100.0  # switching layouts costs time that no candidate is charged for
+    for seconds in phases:
+        in_phase: list[int] = []
+        while not selection.measured:
+            candidate = selection.candidate
+            assert installed == selection.candidates[candidate]  # the layout in force is the one being timed
+            in_phase.append(candidate)
+            clock.time += seconds[candidate][in_phase.count(candidate) - 1] / 2
+            assert selection.forward(iteration_ended=False) is None  # a no_sync micro-step's forward
+            selection.started()  # the reducer calls it after every forward
+            clock.time += seconds[candidate][in_phase.count(candidate) - 1] / 2
+            switch = selection.forward(iteration_ended=True)
+            if switch is not None:
+                installed = switch
+            clock.time += 100.0  # switching layouts costs time that no candidate is charged for
+            selection.started()
+        assert selection.local_seconds() == [pytest.approx(seconds[c]) for c in selection.running]
+        installed = selection.agree(torch.distributed.group.WORLD, torch.device("cpu"))
+        clock.time += 100.0
         selection.started()
+        ran += in_phase
+    assert selection.winner is installed
     return ran
 
 
-def test_the_candidates_take_turns_and_the_fastest_is_chosen(one_rank):
+def test_all_take_turns_in_the_screen_then_the_two_fastest_again_and_their_final_times_decide(one_rank):
     plans = [BucketPlan(((i,),), (0,)) for i in range(3)]
     clock = FakeClock()
     selection = PlanSelection(plans, clock)
-    seconds = {0: [0.5, 0.3, 0.3], 1: [0.1, 0.2, 0.9], 2: [0.4, 0.4, 0.4]}
-    ran = _drive(selection, clock, seconds)
-    assert ran == [c for _ in range(ITERATIONS_PER_CANDIDATE) for c in range(3)]  # they take turns
-    assert selection.local_seconds() == [pytest.approx(seconds[c]) for c in range(3)]
-    assert selection.agree(torch.distributed.group.WORLD, torch.device("cpu")) is plans[1]
+    screen = {0: [0.5, 0.3], 1: [0.1, 0.2], 2: [0.4, 0.5]}  # medians 0.4, 0.15, 0.45: 1 and 0 go on
+    final = {1: [0.4, 0.4, 0.4, 0.4], 0: [0.3, 9.0, 0.3, 0.3]}  # the final times alone; one outlier ignored
+    ran = _drive(selection, clock, [screen, final])
+    assert ran == [0, 1, 2] * SCREENING_ITERATIONS + [1, 0] * FINAL_ITERATIONS
+    assert selection.winner is plans[0]
+
+
+def test_two_candidates_skip_the_screen(one_rank):
+    plans = [BucketPlan(((i,),), (0,)) for i in range(2)]
+    clock = FakeClock()
+    selection = PlanSelection(plans, clock)
+    ran = _drive(selection, clock, [{0: [0.5] * FINAL_ITERATIONS, 1: [0.4] * FINAL_ITERATIONS}])
+    assert ran == [0, 1] * FINAL_ITERATIONS and selection.winner is plans[1]
 
 
 def test_an_interrupted_iteration_is_not_timed():
     clock = FakeClock()
-    selection = PlanSelection([BucketPlan(((0,),), (0,)), BucketPlan(((1,),), (0,))], clock, iterations=1)
+    selection = PlanSelection([BucketPlan(((0,),), (0,)), BucketPlan(((1,),), (0,))], clock, final=1)
     selection.started()
     clock.time += 50.0
     selection.interrupted()  # the backward failed; the next forward starts a fresh timing
@@ -101,7 +124,7 @@ def test_an_interrupted_iteration_is_not_timed():
 
 def test_agreeing_before_every_candidate_ran_is_refused(one_rank):
     selection = PlanSelection([BucketPlan(((0,),), (0,)), BucketPlan(((1,),), (0,))], FakeClock())
-    with pytest.raises(RuntimeError, match="0 of 6 are timed"):
+    with pytest.raises(RuntimeError, match=f"0 of {2 * FINAL_ITERATIONS} are timed"):
         selection.agree(torch.distributed.group.WORLD, torch.device("cpu"))
 
 
@@ -109,4 +132,4 @@ def test_a_selection_needs_candidates_and_iterations():
     with pytest.raises(ValueError, match="needs candidates and iterations"):
         PlanSelection([], FakeClock())
     with pytest.raises(ValueError, match="needs candidates and iterations"):
-        PlanSelection([BucketPlan(((0,),), (0,))], FakeClock(), iterations=0)
+        PlanSelection([BucketPlan(((0,),), (0,))], FakeClock(), screening=0)

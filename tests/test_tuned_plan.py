@@ -203,24 +203,41 @@ def test_bucket_plan_keyword_is_checked(one_rank):
 # at 2 ranks, and resumed(3) (with the own-pick fault).
 
 
-def _injected_seconds(rank: int, candidates: int, chosen: int) -> list[list[float]]:
-    """Per candidate, this rank's time of each selection iteration, such that rank r alone would
-    pick candidate r % candidates but ``chosen`` is the fastest by the median of each iteration's
-    slowest rank; one iteration of it is an outlier (a mean would not pick it)."""
+def _injected_seconds(rank: int, running: list[int], chosen: int, iterations: int) -> list[list[float]]:
+    """Per running candidate, this rank's time of each iteration of a selection phase, such that rank
+    r alone would pick ``running[r % len(running)]`` but ``chosen`` is the fastest by the median of
+    each iteration's slowest rank; in a phase of 3 or more iterations one iteration of it is an
+    outlier (a mean would not pick it)."""
     def seconds(c: int, iteration: int) -> float:
-        if c == chosen and rank == 0 and iteration == 0:
+        if c == chosen and rank == 0 and iteration == 0 and iterations > 2:
             return 10.0
-        return 1.0 if c == rank % candidates else 1.5 if c == chosen else 2.0
+        return 1.0 if c == running[rank % len(running)] else 1.5 if c == chosen else 2.0
 
-    return [[seconds(c, i) for i in range(plan_selection.ITERATIONS_PER_CANDIDATE)] for c in range(candidates)]
+    return [[seconds(c, i) for i in range(iterations)] for c in running]
+
+
+def _expected_selection(world_size: int, count: int, chosen: int) -> tuple[list[int], int]:
+    """Recomputed from the injected times: the candidates the selection runs, in order, and the winner."""
+    def slowest(running: list[int], iterations: int) -> list[list[float]]:
+        times = [_injected_seconds(rank, running, chosen, iterations) for rank in range(world_size)]
+        return [[max(t[c][i] for t in times) for i in range(iterations)] for c in range(len(running))]
+
+    running, ran = list(range(count)), []
+    if count > plan_selection.FINALISTS:
+        ran += running * plan_selection.SCREENING_ITERATIONS
+        ranked = plan_selection.ranking(slowest(running, plan_selection.SCREENING_ITERATIONS))
+        running = [running[c] for c in ranked[: plan_selection.FINALISTS]]
+    ran += running * plan_selection.FINAL_ITERATIONS
+    return ran, running[plan_selection.ranking(slowest(running, plan_selection.FINAL_ITERATIONS))[0]]
 
 
 @contextlib.contextmanager
 def _injected_selection(rank: int, choose: Callable[[int], int], own_pick: bool = False) -> Iterator[list]:
     """This rank's selections time their candidates as ``_injected_seconds`` says, ``choose(count)``
     being the intended winner; yields the list each selection's candidates are appended to. Fault
-    ``own_pick``: every rank picks its own fastest (no all-reduce, no broadcast)."""
+    ``own_pick``: every rank picks its own winner among the (agreed) finalists."""
     seen: list[list[list[int]]] = []
+    agree_on_ranking = plan_selection.agree_on_ranking
 
     class Injected(plan_selection.PlanSelection):
         def __init__(self, candidates, *args, **kwargs):
@@ -228,15 +245,16 @@ def _injected_selection(rank: int, choose: Callable[[int], int], own_pick: bool 
             super().__init__(candidates, *args, **kwargs)
 
         def local_seconds(self):
-            return _injected_seconds(rank, len(self.candidates), choose(len(self.candidates)))
+            return _injected_seconds(rank, self.running, choose(len(self.candidates)), self.iterations)
 
-    def own_fastest(local, process_group, device):
-        return plan_selection.fastest(local)
+    def own_final_ranking(local, process_group, device):
+        agreed = agree_on_ranking(local, process_group, device)  # every rank still joins the collectives
+        return plan_selection.ranking(local) if len(local) <= plan_selection.FINALISTS else agreed
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(plan_tuner, "PlanSelection", Injected)
         if own_pick:
-            patch.setattr(plan_selection, "agree_on_fastest", own_fastest)
+            patch.setattr(plan_selection, "agree_on_ranking", own_final_ranking)
         yield seen
 
 
@@ -369,9 +387,9 @@ def trained(world_size: int, fault: str | None = None) -> list[dict[str, object]
 
 def _settled_at(case: str, candidates: int) -> int:
     """The step whose forward installs the final layout: after DDP's rebuild (step 1, 2 with a
-    static graph), the calibration, and each candidate's iterations (none for a single candidate)."""
+    static graph), the calibration, and the selection's iterations (none for a single candidate)."""
     rebuilt = 2 if "static" in case else 1
-    selection = candidates * plan_selection.ITERATIONS_PER_CANDIDATE if candidates > 1 else 0
+    selection = len(_expected_selection(2, candidates, candidates - 1)[0]) if candidates > 1 else 0
     return rebuilt + plan_tuner.CALIBRATION_ITERATIONS + selection
 
 
@@ -397,14 +415,13 @@ def test_every_rank_adopts_the_fastest_layout_by_the_slowest_ranks_times_at_the_
             count = len(candidates)
             settled = _settled_at(case, count)
             assert settled < STEPS and per_rank[0][case]["tuned"] == [False] * settled + [True] * (STEPS - settled)
-            # The winner, recomputed: each iteration's slowest rank, then the lowest median.
-            times = [_injected_seconds(rank, count, count - 1) for rank in range(world_size)]
-            slowest = [[max(t[c][i] for t in times) for i in range(len(times[0][c]))] for c in range(count)]
-            assert layouts[-1] == candidates[plan_selection.fastest(slowest)], case
+            # The winner, recomputed: each iteration's slowest rank, then the lowest median, in the
+            # screen and again among the finalists.
+            expected_ran, winner = _expected_selection(world_size, count, count - 1)
+            assert layouts[-1] == candidates[winner], case
             assert layouts[settled:] == [layouts[-1]] * (STEPS - settled), case
             # The candidates took turns, each for its iterations, before the winner was installed.
-            ran = layouts[settled - count * plan_selection.ITERATIONS_PER_CANDIDATE: settled]
-            assert ran == candidates * plan_selection.ITERATIONS_PER_CANDIDATE, case
+            assert layouts[settled - len(expected_ran): settled] == [candidates[c] for c in expected_ran], case
             assert count > 1, f"{case}: the model's plan and the user's caps differ, so there is a selection"
 
 
