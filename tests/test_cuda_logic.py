@@ -295,3 +295,17 @@ def test_copy_delays_delay_only_their_copy_and_leave_the_collective_alone(stage)
     completed = time.perf_counter()
     assert (filled - started >= 0.05) == (stage == "production")
     assert (completed - filled >= 0.05) == (stage == "consumption")
+
+
+def test_a_completion_delay_falls_on_the_collective_never_on_the_launching_thread():
+    # A collective that had already finished when the delay was attached (gloo can be that fast):
+    # a sleeping callback would run at once on the launching thread, stalling backward instead of
+    # the communication (it made test_timeline's exposed communication vanish on a CI run).
+    fence = DelayedFence(Fence(), 0.3, "completion")
+    fence.produced(0, torch.zeros(1))
+    started = time.perf_counter()
+    fence.launch(0, lambda: _done([torch.ones(1)]))
+    launched = time.perf_counter()
+    assert torch.equal(fence.complete(0)[0], torch.ones(1))  # the collective's result, after the delay
+    completed = time.perf_counter()
+    assert launched - started < 0.15 and completed - started >= 0.3
