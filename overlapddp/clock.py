@@ -5,7 +5,7 @@ future completes at enqueue and CUDA kernels run after the host issued them, so 
 is an event recorded on the stream doing the work (the communication stream for a collective, the
 current stream otherwise), read as ``elapsed_time`` from an origin event once the work is done.
 A stamp is taken now and read later (:meth:`HostClock.seconds`), so timing never blocks the host
-except when the timings are read, once per measured iteration or selection.
+except when the timings are read, once per measured iteration or selection phase.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ each layout counted once. The loop, driven from the reducer at every grad-enable
     for round in range(SCREENING_ITERATIONS):
         for candidate in running:                  # install it between two iterations
             run one iteration, time it on every rank
-    running = the FINALISTS with the lowest medians  # agreed by every rank (below)
+    running = the FINALISTS whose fastest iterations were fastest  # agreed by every rank (below)
     the same for FINAL_ITERATIONS rounds, timed afresh
     winner = the finalist with the lowest median   # agreed by every rank
 
@@ -20,7 +20,9 @@ Why two phases: one candidate whose layout is clearly wrong shows in two iterati
 ones differ by a few percent, less than one iteration's noise. The finalists therefore get more
 iterations, all measured later in the run (the first iterations of a process run slower while its
 caches and allocator warm up) and taking turns, so that a slow spell of the machine or the link
-(another job, a data-loader stall) falls on both.
+(another job, a data-loader stall) falls on both. The screen ranks by each candidate's fastest
+iteration: a disturbance only ever slows an iteration down, so one disturbed iteration (the
+warm-up falls on the first candidate's first) cannot knock a candidate out.
 
 An iteration's time is from one grad-enabled forward that follows a synchronized backward to the
 next one: forward, backward, the reductions and the optimizer (and any no_sync micro-steps between).
@@ -32,7 +34,7 @@ for a single one.
 from __future__ import annotations
 
 import statistics
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -69,14 +71,21 @@ def candidate_layouts(
     return layouts
 
 
-def ranking(seconds: Sequence[Sequence[float]]) -> list[int]:
-    """Candidate indices from the lowest median iteration time up (the earlier of equals first)."""
-    medians = [statistics.median(times) for times in seconds]
-    return sorted(range(len(medians)), key=lambda c: (medians[c], c))
+Summary = Callable[[Sequence[float]], float]  # a candidate's iteration times to one figure
+
+
+def ranking(seconds: Sequence[Sequence[float]], summary: Summary = statistics.median) -> list[int]:
+    """Candidate indices from the lowest ``summary`` of their iteration times up (the earlier of
+    equals first)."""
+    figures = [summary(times) for times in seconds]
+    return sorted(range(len(figures)), key=lambda c: (figures[c], c))
 
 
 def agree_on_ranking(
-    local: Sequence[Sequence[float]], process_group: dist.ProcessGroup, device: torch.device
+    local: Sequence[Sequence[float]],
+    process_group: dist.ProcessGroup,
+    device: torch.device,
+    summary: Summary = statistics.median,
 ) -> list[int]:
     """Every rank's times in, one ranking out, the same on every rank (collectives).
 
@@ -85,13 +94,17 @@ def agree_on_ranking(
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=process_group)
     order = torch.zeros(len(local), dtype=torch.int64, device=device)
     if dist.get_rank(process_group) == 0:
-        order[:] = torch.tensor(ranking(times.tolist()))
+        order[:] = torch.tensor(ranking(times.tolist(), summary))
     dist.broadcast(order, src=dist.get_global_rank(process_group, 0), group=process_group)
     return order.tolist()
 
 
 class PlanSelection:
-    """The loop above, one step per grad-enabled forward: which layout runs, and which one won."""
+    """The loop above, one step per grad-enabled forward: which layout runs, and which one won.
+
+    Read-only for callers: ``running`` (the candidate indices taking turns in this phase),
+    ``iterations`` (each one's, in this phase), ``final_phase`` and ``winner`` (None until the end).
+    """
 
     def __init__(
         self,
@@ -107,7 +120,7 @@ class PlanSelection:
             )
         self.candidates = list(candidates)
         self._clock = clock
-        self._final = final
+        self._final_iterations = final
         self.winner: BucketPlan | None = None  # set by the final agreement
         everyone = list(range(len(self.candidates)))
         if len(everyone) > FINALISTS:
@@ -169,9 +182,11 @@ class PlanSelection:
                 f"The selection can only agree once every candidate ran {self.iterations} iterations; "
                 f"{self._count} of {len(self.running) * self.iterations} are timed."
             )
-        ranked = [self.running[i] for i in agree_on_ranking(self.local_seconds(), process_group, device)]
+        summary = statistics.median if self.final_phase else min
+        order = agree_on_ranking(self.local_seconds(), process_group, device, summary)
+        ranked = [self.running[i] for i in order]
         if self.final_phase:
             self.winner = self.candidates[ranked[0]]
             return self.winner
-        self._begin_phase(ranked[:FINALISTS], self._final, final_phase=True)
+        self._begin_phase(ranked[:FINALISTS], self._final_iterations, final_phase=True)
         return self.candidates[self.candidate]

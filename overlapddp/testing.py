@@ -79,7 +79,9 @@ class DelayedFence(Fence):
             time.sleep(self.seconds)
             self.inner.launch(bucket, lambda: _after_device_sleep(start, self.seconds))
         elif self.stage == "completion":
-            on_cuda = self._on_cuda.get(bucket, False)
+            if bucket not in self._on_cuda:
+                raise RuntimeError(f"Bucket {bucket} was launched before it was produced.")
+            on_cuda = self._on_cuda[bucket]
             self.inner.launch(bucket, lambda: _resolve_late(start(), self.seconds, on_cuda))
         else:
             self.inner.launch(bucket, start)
@@ -139,6 +141,9 @@ def _written_late_on_stream(done: Future, seconds: float) -> Any:
     write the result on it, so a reader that does not wait reads NaN or garbage."""
     value = done.value()
     tensor = value[0] if isinstance(value, (list, tuple)) else value
+    if not isinstance(tensor, torch.Tensor):  # nothing to write late: delay the callback itself
+        time.sleep(seconds)
+        return value
     late_copy = torch.full_like(tensor, float("nan"))
     _device_sleep(seconds)
     late_copy.copy_(tensor)

@@ -19,6 +19,7 @@ from overlapddp.bucket_plan import BucketCaps, explicit_plan
 from overlapddp.fence import CudaFence, Fence, fence_for
 from overlapddp.param_usage import UsageMap
 from overlapddp.reducer import Reducer
+from overlapddp import testing
 from overlapddp.testing import DelayedFence
 from overlapddp.token_weighting import TokenCount
 from tests.fake_cuda import HostReads, RecordingKit
@@ -308,4 +309,29 @@ def test_a_completion_delay_falls_on_the_collective_never_on_the_launching_threa
     launched = time.perf_counter()
     assert torch.equal(fence.complete(0)[0], torch.ones(1))  # the collective's result, after the delay
     completed = time.perf_counter()
-    assert launched - started < 0.15 and completed - started >= 0.3
+    assert launched - started < 0.15 and completed - started >= 0.29
+
+
+def test_a_delayed_collectives_error_reaches_whoever_waits_for_it():
+    failed: Future = Future()
+    failed.set_exception(RuntimeError("the collective failed"))
+    fence = DelayedFence(Fence(), 0.01, "completion")
+    fence.produced(0, torch.zeros(1))
+    fence.launch(0, lambda: failed)
+    with pytest.raises(RuntimeError, match="the collective failed"):
+        fence.complete(0)
+
+
+def test_a_cuda_buckets_completion_delay_is_written_late_on_the_callbacks_stream(monkeypatch):
+    class CudaLike:  # what produced() reads of a CUDA bucket
+        is_cuda = True
+
+    written = []
+    monkeypatch.setattr(testing, "_written_late_on_stream", lambda done, seconds: written.append(seconds) or done.value())
+    fence = DelayedFence(Fence(), 0.01, "completion")
+    fence.produced(0, CudaLike())
+    fence.launch(0, lambda: _done([torch.ones(1)]))
+    fence.complete(0)
+    assert written == [0.01]
+    with pytest.raises(RuntimeError, match="launched before it was produced"):
+        fence.launch(1, lambda: _done([torch.ones(1)]))

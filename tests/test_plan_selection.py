@@ -54,10 +54,11 @@ def test_candidates_are_the_model_plan_the_layout_in_force_and_ddps_fixed_caps_e
     assert [c.buckets for c in got] == [(tuple(range(5)),)]
 
 
-def test_ranking_is_by_median_and_the_earlier_of_equals_first():
+def test_ranking_is_by_median_unless_told_and_the_earlier_of_equals_first():
     assert ranking([[3.0, 1.0, 1.0], [2.0, 2.0, 2.0]]) == [0, 1]  # medians 1 and 2; a mean would say 1
     assert ranking([[1.0, 9.0, 2.0], [2.0, 2.0, 2.0]]) == [0, 1]  # one slow iteration does not count
     assert ranking([[2.0], [1.0], [1.0]]) == [1, 2, 0]
+    assert ranking([[9.0, 1.0], [2.0, 2.0]], min) == [0, 1]  # the screen: each one's fastest iteration
 
 
 def _drive(selection: PlanSelection, clock: FakeClock, phases: list[dict[int, list[float]]]) -> list[int]:
@@ -94,7 +95,8 @@ def test_all_take_turns_in_the_screen_then_the_two_fastest_again_and_their_final
     plans = [BucketPlan(((i,),), (0,)) for i in range(3)]
     clock = FakeClock()
     selection = PlanSelection(plans, clock)
-    screen = {0: [0.5, 0.3], 1: [0.1, 0.2], 2: [0.4, 0.5]}  # medians 0.4, 0.15, 0.45: 1 and 0 go on
+    # Fastest iterations 0.3, 0.1, 0.35: 1 and 0 go on (by the median, 0.4 and 0.45, 2 would go on).
+    screen = {0: [0.5, 0.3], 1: [0.1, 0.2], 2: [0.4, 0.35]}
     final = {1: [0.4, 0.4, 0.4, 0.4], 0: [0.3, 9.0, 0.3, 0.3]}  # the final times alone; one outlier ignored
     ran = _drive(selection, clock, [screen, final])
     assert ran == [0, 1, 2] * SCREENING_ITERATIONS + [1, 0] * FINAL_ITERATIONS
@@ -133,3 +135,25 @@ def test_a_selection_needs_candidates_and_iterations():
         PlanSelection([], FakeClock())
     with pytest.raises(ValueError, match="needs candidates and iterations"):
         PlanSelection([BucketPlan(((0,),), (0,))], FakeClock(), screening=0)
+    with pytest.raises(ValueError, match="needs candidates and iterations"):
+        PlanSelection([BucketPlan(((0,),), (0,))], FakeClock(), final=0)
+
+
+def test_an_iteration_interrupted_at_the_start_of_the_final_phase_is_not_timed(one_rank):
+    clock = FakeClock()
+    plans = [BucketPlan(((i,),), (0,)) for i in range(3)]
+    selection = PlanSelection(plans, clock, screening=1, final=1)
+    selection.started()
+    for seconds in (0.3, 0.1, 0.2):  # the screen: 1 and 2 go on
+        clock.time += seconds
+        selection.forward(iteration_ended=True)
+        selection.started()
+    assert selection.agree(torch.distributed.group.WORLD, torch.device("cpu")) is plans[1]
+    selection.started()
+    clock.time += 50.0
+    selection.interrupted()  # the first finalist's first iteration failed
+    assert selection.forward(iteration_ended=True) is None and selection.candidate == 1
+    selection.started()
+    clock.time += 0.4
+    assert selection.forward(iteration_ended=True) is plans[2]
+    assert selection.local_seconds() == [[pytest.approx(0.4)], []]

@@ -225,7 +225,7 @@ def _expected_selection(world_size: int, count: int, chosen: int) -> tuple[list[
     running, ran = list(range(count)), []
     if count > plan_selection.FINALISTS:
         ran += running * plan_selection.SCREENING_ITERATIONS
-        ranked = plan_selection.ranking(slowest(running, plan_selection.SCREENING_ITERATIONS))
+        ranked = plan_selection.ranking(slowest(running, plan_selection.SCREENING_ITERATIONS), min)
         running = [running[c] for c in ranked[: plan_selection.FINALISTS]]
     ran += running * plan_selection.FINAL_ITERATIONS
     return ran, running[plan_selection.ranking(slowest(running, plan_selection.FINAL_ITERATIONS))[0]]
@@ -247,9 +247,9 @@ def _injected_selection(rank: int, choose: Callable[[int], int], own_pick: bool 
         def local_seconds(self):
             return _injected_seconds(rank, self.running, choose(len(self.candidates)), self.iterations)
 
-    def own_final_ranking(local, process_group, device):
-        agreed = agree_on_ranking(local, process_group, device)  # every rank still joins the collectives
-        return plan_selection.ranking(local) if len(local) <= plan_selection.FINALISTS else agreed
+    def own_final_ranking(local, process_group, device, summary):
+        agreed = agree_on_ranking(local, process_group, device, summary)  # every rank still joins
+        return plan_selection.ranking(local, summary) if len(local) <= plan_selection.FINALISTS else agreed
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(plan_tuner, "PlanSelection", Injected)
@@ -418,7 +418,7 @@ def test_every_rank_adopts_the_fastest_layout_by_the_slowest_ranks_times_at_the_
             # The winner, recomputed: each iteration's slowest rank, then the lowest median, in the
             # screen and again among the finalists.
             expected_ran, winner = _expected_selection(world_size, count, count - 1)
-            assert layouts[-1] == candidates[winner], case
+            assert winner == count - 1 and layouts[-1] == candidates[winner], case
             assert layouts[settled:] == [layouts[-1]] * (STEPS - settled), case
             # The candidates took turns, each for its iterations, before the winner was installed.
             assert layouts[settled - len(expected_ran): settled] == [candidates[c] for c in expected_ran], case
