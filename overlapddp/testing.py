@@ -160,13 +160,11 @@ def _resolved_from_a_timer(future: Future, seconds: float) -> Future:
 
     def arm(done: Future) -> None:
         try:
-            value = done.value()
+            timer = threading.Timer(seconds, late.set_result, args=(done.value(),))
+            timer.daemon = True
+            timer.start()
         except Exception as error:  # noqa: BLE001 - handed on to whoever waits on the late future
-            late.set_exception(error)
-            return
-        timer = threading.Timer(seconds, late.set_result, args=(value,))
-        timer.daemon = True
-        timer.start()
+            late.set_exception(error)  # a failed collective, or no thread to start: never left unset
 
     future.add_done_callback(arm)
     return late

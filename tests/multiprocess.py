@@ -47,7 +47,7 @@ def _rank_main(
 ) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
-    world = None  # the default group, held until this process ends: see _end_without_teardown
+    groups: list = []  # every process group, held until this process ends: see _end_without_teardown
     with open(stack_file, "w") as stacks:
         if _STACK_SIGNAL is not None:  # the parent asks for every thread's stack when this rank hangs
             faulthandler.register(_STACK_SIGNAL, file=stacks, all_threads=True)
@@ -56,21 +56,28 @@ def _rank_main(
             dist.init_process_group(
                 "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
             )
-            world = dist.group.WORLD
             results.put((rank, "started", None))  # the run's own timeout counts from here
             try:
                 results.put((rank, "ok", target(rank, world_size, *args)))
             finally:
+                groups = _every_group()
                 dist.destroy_process_group()
         except BaseException:
             results.put((rank, "error", traceback.format_exc()))
         finally:
             if _STACK_SIGNAL is not None:
                 faulthandler.unregister(_STACK_SIGNAL)  # before its file closes
-    _end_without_teardown(results, world)
+    _end_without_teardown(results, groups)
 
 
-def _end_without_teardown(results: Any, world: Any) -> None:
+def _every_group() -> list:
+    """The default group and every ``new_group`` of this rank (torch's registry; private API, so
+    only the default group where it moved)."""
+    registry = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    return list(registry) if registry is not None else [dist.group.WORLD]
+
+
+def _end_without_teardown(results: Any, groups: list) -> None:
     """Deliver this rank's results, then exit with no destructors run.
 
     A collective's ``.then`` callbacks run on a gloo worker thread and are released there after the
@@ -78,14 +85,14 @@ def _end_without_teardown(results: Any, world: Any) -> None:
     last reference (``destroy_process_group`` dropped the registry's), the group is destroyed on its
     own worker thread, which then joins itself: "terminate called after throwing an instance of
     'std::system_error': Resource deadlock avoided" and exit code -6, after the rank had finished
-    (seen in CI, and here 1 run in 3 of the tuned-plan PowerSGD check). ``world`` keeps the last
-    reference on this thread, and ``os._exit`` ends the process before any destructor can run.
+    (seen in CI, and here 1 run in 3 of the tuned-plan PowerSGD check). ``groups`` keeps a
+    reference to each on this thread, and ``os._exit`` ends the process before any destructor can run.
     """
     results.close()
     results.join_thread()  # every result is in the pipe before the process goes
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    os._exit(0)  # ``world`` is still held: the group is never destroyed on one of its own threads
+    os._exit(0)  # ``groups`` are still held: none is destroyed on one of its own threads
 
 
 def scaled_timeout(timeout_s: float) -> float:
