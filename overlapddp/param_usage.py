@@ -12,6 +12,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch.futures import Future
+from torch.utils.checkpoint import CheckpointFunction
 
 
 def tensors_in(output: Any) -> Iterator[torch.Tensor]:
@@ -35,17 +36,21 @@ def grad_accumulators(params: Sequence[torch.Tensor]) -> list[Any]:
         return [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
 
 
-def unreachable(outputs: Sequence[torch.Tensor], accumulators: Sequence[Any]) -> list[int]:
-    """Indices of parameters whose accumulator no output's graph reaches: unused in this forward."""
+def unreachable(outputs: Sequence[torch.Tensor], accumulators: Sequence[Any]) -> tuple[list[int], bool]:
+    """Indices of parameters whose accumulator no output's graph reaches (unused in this forward), and
+    whether the graph holds a reentrant checkpoint, whose backward runs a forward and backward of its
+    own: the parameters it uses cannot be seen from here, nor how many times each receives a gradient."""
     seen: set[Any] = set()
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    hidden = False
     while stack:
         node = stack.pop()
         if node in seen:
             continue
         seen.add(node)
+        hidden = hidden or getattr(node, "_forward_cls", None) is CheckpointFunction
         stack.extend(child for child, _ in node.next_functions if child is not None)
-    return [i for i, acc in enumerate(accumulators) if acc not in seen]
+    return [i for i, acc in enumerate(accumulators) if acc not in seen], hidden
 
 
 class UsageMap:

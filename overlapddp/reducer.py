@@ -125,6 +125,9 @@ class Reducer:
         # until the first synchronized backward ended).
         self._fires = [0] * len(self.params)
         self._expected_fires: list[int] | None = None
+        # Dynamic graph through a reentrant checkpoint: this backward only counts its gradients and
+        # reduces them all at its end (see reduce_at_end_of_backward).
+        self._counting_only = False
 
     def enable_static_graph(self) -> None:
         """Switch to ``static_graph=True`` (DDP's ``_set_static_graph``); only before the first backward
@@ -165,9 +168,11 @@ class Reducer:
 
     @property
     def needs_end_of_backward_trigger(self) -> bool:
-        """Static graph, first iteration: nothing is reduced during backward; the wrapper must
-        call :meth:`reduce_learned_graph` when backward reaches the outputs' end."""
-        return self.options.static_graph and self._expected_fires is None
+        """Static graph, first iteration, or a dynamic graph through a reentrant checkpoint: nothing is
+        reduced during backward; the wrapper must call :meth:`reduce_at_end_of_backward` when backward
+        reaches the outputs' end."""
+        first = self.options.static_graph and self._expected_fires is None
+        return first or (self._counting_only and self.state is ReducerState.BACKWARD)
 
     @property
     def final_layout_iteration(self) -> int:
@@ -311,7 +316,7 @@ class Reducer:
         if self._tuner is not None and self.has_rebuilt_buckets:
             self._tuner.start_iteration()
         if self._dynamic_unused:
-            self._unused = unreachable(outputs, self._accumulators)
+            self._unused, self._counting_only = unreachable(outputs, self._accumulators)
         self.state = ReducerState.BACKWARD
 
     def mark_ready(self, index: int) -> bool:
@@ -323,6 +328,10 @@ class Reducer:
             self._usage.mark_used(index)
         if self.state is not ReducerState.BACKWARD:
             self.local_gradients_since_reduction = True
+            return False
+        if self._counting_only:
+            self._fires[index] += 1
+            self._require_finalize = True
             return False
         if self.options.static_graph:
             self._fires[index] += 1
@@ -384,10 +393,12 @@ class Reducer:
         if self.state is ReducerState.BACKWARD and not self.delayed.launched:
             self.delayed.launch(self._fence)
 
-    def reduce_learned_graph(self) -> None:
-        """Static graph, end of the first backward: learn who is unused, then reduce everything."""
-        self._usage.launch_reduction(self.process_group)
-        self._expected_fires = list(self._fires)
+    def reduce_at_end_of_backward(self) -> None:
+        """End of a backward that only counted its gradients: every parameter that received none is
+        unused (in the static graph's first backward, for good); then reduce everything."""
+        if self.options.static_graph:
+            self._usage.launch_reduction(self.process_group)
+            self._expected_fires = list(self._fires)
         self._unused = [i for i, fires in enumerate(self._fires) if fires == 0]
         self._unused_marked = True
         for index in range(len(self.params)):

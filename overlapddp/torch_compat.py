@@ -29,6 +29,14 @@ def queue_callback(callback: Callable[[], None]) -> None:
     _ENGINE.queue_callback(callback)
 
 
+def preserving_versions(tensors: Sequence[torch.Tensor]) -> Any:
+    """A context in which writes to ``tensors`` leave their autograd version counters as they were.
+
+    DDP's buffer broadcast runs under it, so a forward that saved a buffer for backward (BatchNorm's
+    running statistics) may be followed by another forward before that backward (GAN steps)."""
+    return torch.autograd.grad_mode._unsafe_preserve_version_counter(tuple(tensors))
+
+
 def in_backward() -> bool:
     """Whether the calling thread runs inside a backward (False where torch cannot tell)."""
     return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1

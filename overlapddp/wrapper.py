@@ -27,7 +27,7 @@ from overlapddp.delayed_reduction import DelayedReduction
 from overlapddp.fence import FenceLog, fence_for
 from overlapddp.join import OverlapJoinHook, announce_backward_sync, common_rank
 from overlapddp.mixed_precision import MixedPrecision, ParameterCasts, ReduceInPrecision, reduce_in_precision_hook
-from overlapddp.module_sync import broadcast_coalesced, verify_same_parameters
+from overlapddp.module_sync import broadcast_buffers, broadcast_coalesced, verify_same_parameters
 from overlapddp.optimizer_guard import OptimizerGuard
 from overlapddp.optimizer_overlap import OverlappedOptimizer
 from overlapddp.param_usage import tensors_in
@@ -251,7 +251,7 @@ class OverlapDDP(nn.Module, Joinable):
         return output
 
     def _broadcast_buffers(self, source: int) -> None:
-        broadcast_coalesced(self.modules_buffers, source, self.process_group)
+        broadcast_buffers(self.modules_buffers, source, self.process_group)
 
     def _broadcast_state(self, source: int, with_buffers: bool) -> None:
         """Parameters (and, ``with_buffers``, buffers) from rank ``source`` to all ranks."""
@@ -644,7 +644,8 @@ def _at_end_of_backward(callback: Callable[[], None]) -> None:
 
 
 class _EndOfBackward(torch.autograd.Function):
-    """Identity on the outputs whose backward queues the static graph's first reduction.
+    """Identity on the outputs whose backward queues the reduction of a backward that only counts its
+    gradients (the static graph's first; one through a reentrant checkpoint with find_unused_parameters).
 
     Its backward runs first in the outermost graph task, so the queued callback runs when that
     whole backward (reentrant checkpoints included) has finished.
@@ -660,7 +661,7 @@ class _EndOfBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         if not getattr(ctx, "queued", False):
             ctx.queued = True
-            queue_callback(ctx.reducer.reduce_learned_graph)
+            queue_callback(ctx.reducer.reduce_at_end_of_backward)
         return (None, *grads)
 
 
