@@ -29,6 +29,7 @@ from overlapddp.module_sync import gather_objects
 from overlapddp.param_usage import UsageMap, grad_accumulators, unreachable
 from overlapddp.plan_tuner import TUNING_ITERATIONS, PlanTuner
 from overlapddp.sparse_reduction import SparseBucketStorage
+from overlapddp.sync_checks import SyncFlagCheck
 from overlapddp.token_weighting import TokenCount
 from overlapddp.torch_compat import in_backward
 
@@ -86,6 +87,8 @@ class Reducer:
         self.reductions = 0
         self.backwards_armed = 0  # synchronized forwards so far: names the current iteration
         self.local_gradients_since_reduction = False
+        self._local_probe = 0  # a parameter that received such a local gradient (see prepare_for_backward)
+        self.sync_flags = SyncFlagCheck()  # the wrapper's require_backward_grad_sync (it installs its own)
         self.check_finite = False  # see _check_finite
         # Optimizer guards attached: while any is, report gradients written while their bucket was
         # reduced (see _check_untouched). Per bucket: each gradient and its version when taken.
@@ -304,6 +307,8 @@ class Reducer:
         With ``find_unused_parameters`` the forward's ``outputs`` tell which parameters it used.
         """
         self._ensure_prior_reduction_finished()
+        if self.local_gradients_since_reduction and self.params[self._local_probe].grad is None:
+            self.sync_flags.discarded(self.rank, "zero_grad() (or setting .grad to None) before this forward")
         self._reset_iteration()
         self.backwards_armed += 1
         # Scale while copying, as DDP's default path does; a hook or batched copy divides later.
@@ -328,7 +333,12 @@ class Reducer:
             self._usage.mark_used(index)
         if self.state is not ReducerState.BACKWARD:
             self.local_gradients_since_reduction = True
+            self._local_probe = index
+            if self.sync_flags.requested:
+                self.sync_flags.unarmed_backward(self.rank)
             return False
+        if not self.sync_flags.requested:
+            self.sync_flags.synced_under_no_sync(self.rank)
         if self._counting_only:
             self._fires[index] += 1
             self._require_finalize = True

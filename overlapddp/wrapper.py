@@ -33,6 +33,7 @@ from overlapddp.optimizer_overlap import OverlappedOptimizer
 from overlapddp.param_usage import tensors_in
 from overlapddp.pickling import bind_to_default_group, pickled_state, take_recipe
 from overlapddp.reducer import Reducer, ReducerOptions
+from overlapddp.sync_checks import SyncFlagCheck
 from overlapddp.torch_compat import let_dcp_unwrap, queue_callback, to_kwargs
 
 # "ddp": DDP's exact layout (bit-equal at every world size); "tuned": the fastest of a modelled plan
@@ -100,6 +101,7 @@ class OverlapDDP(nn.Module, Joinable):
         self.static_graph = static_graph
         self.batched_grad_copy = batched_grad_copy
         self.mixed_precision = mixed_precision
+        self._sync_flags = SyncFlagCheck()  # holds require_backward_grad_sync (see sync_checks.py)
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True  # set by join(); read by forward under Join
@@ -168,6 +170,7 @@ class OverlapDDP(nn.Module, Joinable):
         )
         fence = fence_for({n: p.device for n, p in trainable})
         self._reducer = Reducer(params, names, self.process_group, fence, caps, sparse, options)
+        self._reducer.sync_flags = self._sync_flags
         self._hook_handles = _register_ready_hooks(self._reducer, params)
         if self._delayed is not None:
             self._reducer.delayed = self._delayed
@@ -240,6 +243,8 @@ class OverlapDDP(nn.Module, Joinable):
     def _post_forward(self, output: Any) -> Any:
         if self._mixed_precision is not None and not torch.is_grad_enabled():
             self._mixed_precision[1].to_full()  # no backward will return them (DDP leaves them in param_dtype)
+        if torch.is_grad_enabled():
+            self._sync_flags.forward_synced = self.require_backward_grad_sync
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
             outputs = list(tensors_in(output)) if self.find_unused_parameters else []
@@ -272,6 +277,15 @@ class OverlapDDP(nn.Module, Joinable):
     @broadcast_buffers.setter
     def broadcast_buffers(self, value: bool) -> None:
         self.forward_sync_buffers = value
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """Whether the next forward arms the reduction of its backward (DDP's flag; ``no_sync()`` sets it)."""
+        return self._sync_flags.requested
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._sync_flags.requested = value
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -430,6 +444,7 @@ class OverlapDDP(nn.Module, Joinable):
         super().__setstate__(state)
         self.process_group = group
         self._reducer = recipe.build(dict(self.module.named_parameters()), group)
+        self._reducer.sync_flags = self._sync_flags
         self._hook_handles = _register_ready_hooks(self._reducer, self._reducer.params)
         self._graph_splitter = GraphSplitter(self._reducer, self.bucket_bytes_cap)
 
