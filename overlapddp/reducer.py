@@ -361,8 +361,9 @@ class Reducer:
             raise RuntimeError(
                 f"Expected to mark a variable ready only once. Parameter {self.names[index]} (index {index}) "
                 f"received its gradient twice in one backward on rank {self.rank}. This happens when a "
-                "parameter is used outside forward, in reentrant backward (use static_graph=True), or in "
-                "several backwards of one forward; use no_sync() for all but the last backward."
+                "parameter is used outside forward, in two reentrant checkpoints (torch.utils.checkpoint with "
+                "use_reentrant=True: pass find_unused_parameters=True, or static_graph=True if the graph is the "
+                "same every step), or in several backwards of one forward (use no_sync() for all but the last)."
             )
         if self._rebuild_pending:
             self._ready_order.append(index)
