@@ -137,6 +137,10 @@ class Fence:
             future.add_done_callback(lambda _: self._finished_at.setdefault(bucket, time.perf_counter()))
         self._record(bucket, "launched", "collective", at=self._launched_at.get(bucket))
 
+    def pending(self, bucket: int) -> Future | None:
+        """The future of the bucket's collective, launched and not yet completed (None otherwise)."""
+        return self._in_flight.get(bucket)
+
     def complete(self, bucket: int) -> object:
         """Edge 3: block until the collective is final, then hand over its value."""
         future = self._in_flight.pop(bucket, None)

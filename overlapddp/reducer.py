@@ -28,6 +28,7 @@ from overlapddp.fence import Fence
 from overlapddp.module_sync import gather_objects
 from overlapddp.param_usage import UsageMap, grad_accumulators, unreachable
 from overlapddp.plan_tuner import TUNING_ITERATIONS, PlanTuner
+from overlapddp.progress import ProgressRecord
 from overlapddp.sparse_reduction import SparseBucketStorage
 from overlapddp.sync_checks import SyncFlagCheck
 from overlapddp.token_weighting import TokenCount
@@ -89,6 +90,7 @@ class Reducer:
         self.local_gradients_since_reduction = False
         self._local_probe = 0  # a parameter that received such a local gradient (see prepare_for_backward)
         self.sync_flags = SyncFlagCheck()  # the wrapper's require_backward_grad_sync (it installs its own)
+        self.progress = ProgressRecord()  # where this rank is, for desync errors (the wrapper installs one)
         self.check_finite = False  # see _check_finite
         # Optimizer guards attached: while any is, report gradients written while their bucket was
         # reduced (see _check_untouched). Per bucket: each gradient and its version when taken.
@@ -307,10 +309,12 @@ class Reducer:
         With ``find_unused_parameters`` the forward's ``outputs`` tell which parameters it used.
         """
         self._ensure_prior_reduction_finished()
+        dropped = self.state is ReducerState.BACKWARD  # armed, and no gradient came
         if self.local_gradients_since_reduction and self.params[self._local_probe].grad is None:
             self.sync_flags.discarded(self.rank, "zero_grad() (or setting .grad to None) before this forward")
         self._reset_iteration()
         self.backwards_armed += 1
+        self.progress.forward(self.backwards_armed, self.reductions, dropped)
         # Scale while copying, as DDP's default path does; a hook or batched copy divides later.
         no_scaling = self._comm_hook is not None or self.options.batched_grad_copy
         self._divide_by = self._divisor()
@@ -555,12 +559,15 @@ class Reducer:
         if self._tuner is not None:
             self._tuner.end_iteration()
         self.reductions += 1
+        self.progress.reduced(self.backwards_armed, self.reductions)
         self.local_gradients_since_reduction = False
         self._require_finalize = False
         self.state = ReducerState.IDLE
 
     def _complete(self, index: int) -> object:
-        """The bucket's reduced value, or an error that says which bucket and rank failed."""
+        """The bucket's reduced value, or an error that says which bucket and rank failed (and, from the
+        progress records, which ranks are behind)."""
+        self.progress.wait_for(self._fence.pending(index), index)
         try:
             return self._fence.complete(index)
         except Exception as error:
@@ -568,8 +575,8 @@ class Reducer:
             names = ", ".join(self.names[i] for i in members[:4]) + (", ..." if len(members) > 4 else "")
             raise RuntimeError(
                 f"The reduction of bucket {index} ({len(members)} parameters: {names}) failed on rank "
-                f"{self.rank}: {error}. Another rank may have died or timed out. This iteration's gradients "
-                "were not reduced; the process group may no longer be usable."
+                f"{self.rank}: {error}. Another rank may have died or timed out.{self.progress.behind(index)} "
+                "This iteration's gradients were not reduced; the process group may no longer be usable."
             ) from error
 
     def _check_untouched(self, index: int) -> None:

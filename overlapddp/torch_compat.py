@@ -45,6 +45,16 @@ def in_backward() -> bool:
 # The C type of ``torch.futures.Future`` (collectives return it directly, not the Python subclass).
 FUTURE_TYPES: tuple[type, ...] = (getattr(torch._C, "Future", torch.futures.Future),)
 
+# -- process groups ----------------------------------------------------------------------------------
+
+
+def group_store(process_group: Any) -> Any | None:
+    """The key-value store the process group was created with (None where torch does not say)."""
+    registry = getattr(getattr(torch.distributed.distributed_c10d, "_world", None), "pg_map", None)
+    entry = registry.get(process_group) if isinstance(registry, dict) else None
+    return entry[1] if isinstance(entry, tuple) and len(entry) == 2 else None
+
+
 # -- multi-tensor kernels: one launch per list where torch has them, a loop where it does not -------
 
 

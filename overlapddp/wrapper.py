@@ -32,6 +32,7 @@ from overlapddp.optimizer_guard import OptimizerGuard
 from overlapddp.optimizer_overlap import OverlappedOptimizer
 from overlapddp.param_usage import tensors_in
 from overlapddp.pickling import bind_to_default_group, pickled_state, take_recipe
+from overlapddp.progress import ProgressRecord
 from overlapddp.reducer import Reducer, ReducerOptions
 from overlapddp.sync_checks import SyncFlagCheck
 from overlapddp.torch_compat import let_dcp_unwrap, queue_callback, to_kwargs
@@ -171,6 +172,7 @@ class OverlapDDP(nn.Module, Joinable):
         fence = fence_for({n: p.device for n, p in trainable})
         self._reducer = Reducer(params, names, self.process_group, fence, caps, sparse, options)
         self._reducer.sync_flags = self._sync_flags
+        self._reducer.progress = ProgressRecord(self.process_group, len(params), self.device)
         self._hook_handles = _register_ready_hooks(self._reducer, params)
         if self._delayed is not None:
             self._reducer.delayed = self._delayed

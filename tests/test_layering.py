@@ -19,7 +19,7 @@ FRAMEWORKS = {"lightning", "pytorch_lightning", "accelerate", "transformers"}
 LAYERS = [
     {"device_streams", "torch_compat"},
     {"bucket_plan", "bucket_storage", "fence", "comm_hook", "param_usage", "token_weighting", "module_sync",
-     "bucket_unscaler", "sparse_reduction", "clock", "sync_checks"},
+     "bucket_unscaler", "sparse_reduction", "clock", "sync_checks", "progress"},
     {"tuned_plan", "comm_hook_validation", "timeline", "delayed_reduction", "mixed_precision", "plan_selection"},
     {"plan_tuner"},
     {"reducer"},
