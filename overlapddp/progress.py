@@ -113,8 +113,9 @@ class ProgressRecord:
                 r: p for r, p in others.items()
                 if p is None or (p.reductions < backward and (p.waiting is None or p.waiting[0] != backward))
             }
-            unsure = [p for p in late.values() if p is not None and p.waiting is None and p.reductions == mine.reductions
-                      and p.iteration == mine.iteration and p.dropped == mine.dropped]
+            here = (mine.iteration, mine.reductions, mine.dropped)
+            unsure = [p for p in late.values()
+                      if p is not None and p.waiting is None and (p.iteration, p.reductions, p.dropped) == here]
             if not unsure or time.monotonic() > deadline:
                 break
             time.sleep(0.1)

@@ -26,7 +26,8 @@ def _messages(loop) -> list[str]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loop()
-    return [str(w.message) for w in caught if issubclass(w.category, UserWarning) and "OverlapDDP (rank" in str(w.message)]
+    return [str(w.message) for w in caught
+            if issubclass(w.category, UserWarning) and "OverlapDDP (rank" in str(w.message)]
 
 
 def test_flag_set_true_after_the_forward_warns_that_nothing_was_reduced(one_rank):

@@ -42,6 +42,7 @@ READY_VALUES = "tests/test_ready_order.py::test_ranks_with_different_ready_order
 GUARD = "tests/test_guard.py::test_guard_raises_a_clear_error_naming_the_problem_and_rank"
 OVERLAP = "tests/test_optimizer_overlap.py"
 HANDED_OVER = "tests/test_race.py::test_each_collective_is_handed_the_complete_bucket_as_in_ddp"
+LOOPS = "tests/test_loops.py::test_gan_steps_and_reentrant_checkpoints_match_ddp"
 JOIN_WS2 = "tests/test_join.py::test_join_with_uneven_inputs_is_bit_equal_to_ddp_every_step_and_after[2]"
 
 
@@ -253,6 +254,22 @@ MUTATIONS = (
         "        return self.max_grad_norm is not None or self._unscaler is not None",
         "        return self.max_grad_norm is not None",
         (f"{OVERLAP}::test_overlapped_loss_scaling_is_bit_equal_to_unscale_clip_then_scaler_step[None]",),
+    ),
+    Mutation(
+        "buffer_broadcast_bumps_versions",
+        "the forward's buffer broadcast bumps version counters: a GAN step's 2nd forward breaks the 1st's backward",
+        "overlapddp/module_sync.py",
+        "    with preserving_versions(buffers):\n        broadcast_coalesced(buffers, src, process_group)\n",
+        "    broadcast_coalesced(buffers, src, process_group)\n",
+        (f"{LOOPS}[2]",),
+    ),
+    Mutation(
+        "reentrant_checkpoint_not_seen",
+        "find_unused_parameters takes parameters behind a reentrant checkpoint for unused",
+        "overlapddp/param_usage.py",
+        '        hidden = hidden or getattr(node, "_forward_cls", None) is CheckpointFunction\n',
+        "",
+        (f"{LOOPS}[2]",),
     ),
 )
 
