@@ -50,7 +50,7 @@ class Bucket:
         """Contiguous per-parameter views into the buffer, in bucket order."""
         return [
             self._buffer.narrow(0, off, length).view(param.shape)
-            for off, length, param in zip(self._offsets, self._lengths, self._params)
+            for off, length, param in zip(self._offsets, self._lengths, self._params, strict=True)
         ]
 
     def parameters(self) -> list[torch.Tensor]:
