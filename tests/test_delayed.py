@@ -4,7 +4,9 @@ At world size 2 every averaging order gives the same bits (a two-term sum commut
 is exact), so OverlapDDP with the delay must be bit-equal to stock DDP *without* it, every step, with
 Adam's ``step()`` right after ``backward()``. Stock DDP *with* the delay never waits for the delayed
 work; the same comparison shows its race. A planted bug that skips our wait (with one rank's launch
-late, so the collective is surely in flight) must fail the comparison every step.
+late, so the collective is surely in flight) must fail the comparison every step. At world size 3 a
+true division by 3 and a multiply by 1/3 round differently, so there the reference is stock DDP with the
+same delay, given time to finish its unwaited all-reduce.
 """
 
 from __future__ import annotations
