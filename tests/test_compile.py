@@ -204,7 +204,11 @@ def test_every_bucket_but_the_stems_launches_in_the_first_half_of_a_compiled_bac
     stem = {i for i, (name, _) in enumerate(SlowStem().named_parameters()) if name.startswith("stem.")}
     before_stem = [b for b, members in enumerate(ours.bucket_indices()) if not stem & set(members)]
     assert len(before_stem) >= 2, ours.bucket_indices()  # a body bucket, not only the head's
-    assert all(max(f[b] for b in before_stem) < 0.5 for f in fractions), (ours.bucket_indices(), fractions)
+    assert max(min(f.values()) for f in fractions) < 0.5, fractions  # the first launch, every iteration
+    # Each bucket's median over the iterations: one iteration slowed by a loaded machine does not
+    # decide; a lost cut puts the bucket at the end of every one (0.98 and more).
+    medians = {b: statistics.median(f[b] for f in fractions) for b in before_stem}
+    assert all(m < 0.5 for m in medians.values()), (ours.bucket_indices(), fractions)
 
 
 @pytest.mark.parametrize("outer", [False, True], ids=FORMS.values())
