@@ -70,9 +70,9 @@ SCENARIOS = [
     Scenario("transformer", "sgd", TINY, hook="batched_powerSGD/sync"),
     # gradient_as_bucket_view with the gradients kept (zero_grad(set_to_none=False)): from the second
     # step backward accumulates into the bucket views, which a hook (not the reducer) must average;
-    # fp16 compression hands back another tensor, copied into the views.
+    # the fp16 wrapper hands back another tensor than the bucket's (its set_buffer), copied into the views.
     Scenario("cnn_bn", "sgd", TINY, ddp_kwargs=BUCKET_VIEW, set_to_none=False, hook="allreduce"),
-    Scenario("mlp", "sgd", None, ddp_kwargs=BUCKET_VIEW, set_to_none=False, hook="fp16_compress"),
+    Scenario("mlp", "sgd", None, ddp_kwargs=BUCKET_VIEW, set_to_none=False, hook="fp16_wrapper(allreduce)"),
 ]
 
 WORLD_SIZES = (2, 3, 4)

@@ -313,6 +313,15 @@ MUTATIONS = (
         "            alias_divide_by=self._divide_by if not batched else None,\n",
         (f"{HOOK_VALUES}[cnn_bn-sgd-cap0.001-gradient_as_bucket_view=True-hook=allreduce-keep_grads-2]",),
     ),
+    Mutation(
+        "hook_result_not_copied_into_views",
+        "gradient_as_bucket_view: a hook's result that is another tensor (fp16 compression) never reaches the views",
+        "overlapddp/bucket_storage.py",
+        "                if result is not self.buffer and chosen:\n"
+        "                    foreach_copy_([self.views[i] for i in chosen], reduced)\n",
+        "",
+        (f"{HOOK_VALUES}[mlp-sgd-default-gradient_as_bucket_view=True-hook=fp16_wrapper(allreduce)-keep_grads-2]",),
+    ),
 )
 
 
