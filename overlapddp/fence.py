@@ -104,6 +104,8 @@ class Fence:
         # callback (any thread), so a timeline shows completions during backward where they happened.
         self._finished_at: dict[int, float] = {}
         self._launched_at: dict[int, float] = {}
+        # Called with (bucket, future) before ``complete`` waits: the desync records' patient wait.
+        self.before_wait: Callable[[int, Future], None] | None = None
 
     def _record(self, bucket: int, edge: str, actor: str, event: str | None = None, at: float | None = None) -> None:
         if self.log is not None:
@@ -137,15 +139,13 @@ class Fence:
             future.add_done_callback(lambda _: self._finished_at.setdefault(bucket, time.perf_counter()))
         self._record(bucket, "launched", "collective", at=self._launched_at.get(bucket))
 
-    def pending(self, bucket: int) -> Future | None:
-        """The future of the bucket's collective, launched and not yet completed (None otherwise)."""
-        return self._in_flight.get(bucket)
-
     def complete(self, bucket: int) -> object:
         """Edge 3: block until the collective is final, then hand over its value."""
         future = self._in_flight.pop(bucket, None)
         if future is None:
             raise RuntimeError(f"Bucket {bucket} was asked for its result but was never launched.")
+        if self.before_wait is not None:
+            self.before_wait(bucket, future)
         value = self._wait(future)
         finished = None
         if bucket in self._launched_at:  # logging with host-visible completion

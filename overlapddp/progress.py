@@ -63,9 +63,11 @@ class ProgressRecord:
     def __init__(self, process_group: dist.ProcessGroup | None = None, parameters: int = 0,
                  device: torch.device | None = None) -> None:
         on_host = device is None or device.type == "cpu"
-        self._store = group_store(process_group) if process_group is not None and on_host else None
-        self._rank = dist.get_rank(process_group) if self._store is not None else 0
-        self._size = process_group.size() if self._store is not None else 1
+        self._store: Any | None = None
+        self._rank, self._size = 0, 1
+        if process_group is not None and on_host:
+            self._store = group_store(process_group)
+            self._rank, self._size = dist.get_rank(process_group), process_group.size()
         self._prefix = f"overlapddp/progress/{next(_wrappers)}-{parameters}/"
         self._mine = Position(0, 0, 0, None, None)
 
@@ -80,9 +82,9 @@ class ProgressRecord:
     def reduced(self, iteration: int, reductions: int) -> None:
         self._write(Position(iteration, reductions, self._mine.dropped, self._mine.last_dropped, None))
 
-    def wait_for(self, future: Any, bucket: int) -> None:
+    def wait_for(self, bucket: int, future: Any) -> None:
         """Block until ``future`` is done; past ``PATIENCE_S`` say in the store what this rank waits for."""
-        if self._store is None or future is None or future.done():
+        if self._store is None or future.done():
             return
         finished = threading.Event()
         future.add_done_callback(lambda _: finished.set())
@@ -143,14 +145,15 @@ class ProgressRecord:
             self._store = None
 
     def _others(self) -> dict[int, Position | None]:
+        store = self._store
         found: dict[int, Position | None] = {}
         for rank in range(self._size):
-            if rank == self._rank:
+            if rank == self._rank or store is None:
                 continue
             key = self._prefix + str(rank)
-            if not self._store.check([key]):
+            if not store.check([key]):
                 found[rank] = None
                 continue
-            iteration, reductions, dropped, last_dropped, waiting = json.loads(self._store.get(key))
+            iteration, reductions, dropped, last_dropped, waiting = json.loads(store.get(key))
             found[rank] = Position(iteration, reductions, dropped, last_dropped, tuple(waiting) if waiting else None)
         return found

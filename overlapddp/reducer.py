@@ -567,7 +567,6 @@ class Reducer:
     def _complete(self, index: int) -> object:
         """The bucket's reduced value, or an error that says which bucket and rank failed (and, from the
         progress records, which ranks are behind)."""
-        self.progress.wait_for(self._fence.pending(index), index)
         try:
             return self._fence.complete(index)
         except Exception as error:

@@ -113,9 +113,6 @@ class DelayedFence(Fence):
     def in_flight(self) -> list[int]:
         return self.inner.in_flight()
 
-    def pending(self, bucket: int) -> Future | None:
-        return self.inner.pending(bucket)
-
     def abandon(self) -> list[int]:
         return self.inner.abandon()
 

@@ -173,6 +173,7 @@ class OverlapDDP(nn.Module, Joinable):
         self._reducer = Reducer(params, names, self.process_group, fence, caps, sparse, options)
         self._reducer.sync_flags = self._sync_flags
         self._reducer.progress = ProgressRecord(self.process_group, len(params), self.device)
+        fence.before_wait = self._reducer.progress.wait_for
         self._hook_handles = _register_ready_hooks(self._reducer, params)
         if self._delayed is not None:
             self._reducer.delayed = self._delayed

@@ -95,14 +95,13 @@ def run_gan(rank: int, world_size: int, case: GanCase) -> str | None:
                     loss = ((d(fake) - 1) ** 2).mean()
                     g_opt.zero_grad()
                 loss.backward()
-            for (_, _, ref, _, _), (_, _, cand, _, _) in [(pairs[0], pairs[1])]:
-                for a, b in zip(ref, cand):
-                    difference = first_grad_difference(a.module, b.module)
-                    if difference is not None:
-                        return f"step {step} {phase}: {difference}"
+            for a, b in zip(pairs[0][2], pairs[1][2], strict=True):
+                difference = first_grad_difference(a.module, b.module)
+                if difference is not None:
+                    return f"step {step} {phase}: {difference}"
             for _, _, _, g_opt, d_opt in pairs:
                 (d_opt if phase == "d" else g_opt).step()
-        for a, b in zip(pairs[0][2], pairs[1][2]):
+        for a, b in zip(pairs[0][2], pairs[1][2], strict=True):
             difference = first_difference(a.module, b.module)
             if difference is not None:
                 return f"step {step}: {difference}"

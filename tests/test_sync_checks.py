@@ -98,7 +98,7 @@ def test_correct_accumulation_loops_do_not_warn(one_rank, how):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def loop():
-        for step in range(2):
+        for _ in range(2):
             for micro in range(3):
                 last = micro == 2
                 if how == "assign":  # nanoGPT: set before the forward
