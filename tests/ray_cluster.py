@@ -83,16 +83,19 @@ class RayCluster:
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)  # ray start --block stops its node's processes
+        deadline = time.monotonic() + 5
         for proc in self.procs:
             try:
-                proc.wait(timeout=15)
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-            for pid in _session_pids(proc.pid):  # what outlived it: workers, agents
+        for proc in self.procs:
+            for pid in _session_pids(proc.pid):  # what is left: workers, agents, a node that did not stop
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+            proc.wait()
 
 
 def _listening(host: str, port: int) -> bool:

@@ -1,20 +1,22 @@
 """overlapddp.integrations.ray: Ray Train's prepare_model with OverlapDDP, bit-equal to Ray's own DDP.
 
-One Ray cluster for the module, two nodes on this machine (``tests/ray_cluster.py``), one CPU each;
-every ``TorchTrainer`` runs two gloo workers, one per node. Each training function builds the same
-network twice, once with Ray's ``prepare_model`` (DDP) and once with ours, trains both on the same
-rank-dependent batches with gradient accumulation through ``no_sync``, reports a checkpoint with
-``ray.train.report`` after every optimizer step, and writes both models' parameters and gradients
-after every step to a folder the tests read. A second run kills one worker once; Ray's failure
-handling restarts the group from the last checkpoint, and the rerun steps must equal the first run's.
+One Ray cluster for the module, two nodes on this machine (``tests/ray_cluster.py``), one CPU each,
+and one ``TorchTrainer`` run of two gloo workers, one per node. The training function builds the
+same network twice, once with Ray's ``prepare_model`` (DDP) and once with ours, trains both on the
+same rank-dependent batches with gradient accumulation through ``no_sync``, and writes both models'
+parameters and gradients after every step to a folder the tests read. It reports a checkpoint with
+``ray.train.report`` after each of the first steps; then one worker dies, Ray's failure handling
+restarts both from that checkpoint, and the steps trained again must equal the first attempt's.
 """
 
 from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import os
 import tempfile
+import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -27,8 +29,12 @@ from torch import nn
 from tests.ray_cluster import HEAD_IP, SECOND_IP, RayCluster
 
 REPO = Path(__file__).resolve().parent.parent
-STEPS, ACCUMULATE, FAIL_AT = 4, 2, 2  # optimizer steps, micro-batches per step, the step a worker dies at
+STEPS, ACCUMULATE, FAIL_AT = 4, 2, 2  # optimizer steps, micro-batches per step, the checkpoint resumed from
 KWARGS = {"bucket_cap_mb": 0.001}  # several buckets
+# Ray Train's controller polls the workers every 2 s and gives a worker group 60 s to start; polled
+# more often the runs take half the time, and a loaded CI machine may need longer to start workers.
+RAY_TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300",
+                 "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("ray") is None, reason="ray is not installed (python3 -m pip install -e '.[ray]')"
@@ -51,7 +57,12 @@ def _flat(tensors: Any) -> np.ndarray:
 
 
 def _train(config: dict[str, Any]) -> None:
-    """Ray's DDP and OverlapDDP side by side; a checkpoint per step; optionally one worker dies once."""
+    """Ray's DDP and OverlapDDP side by side; the first attempt trains every step, the second resumes.
+
+    The first attempt reports a checkpoint after each of the first ``FAIL_AT`` steps, trains the rest
+    without one (its parameters are what an uninterrupted run gives), and then worker 1 dies. Ray
+    restarts both workers; the second attempt starts from the checkpoint of step ``FAIL_AT``.
+    """
     import ray.train
     import ray.train.torch
 
@@ -75,14 +86,13 @@ def _train(config: dict[str, Any]) -> None:
             model.module.load_state_dict(state["models"][name])
             optimizers[name].load_state_dict(state["optimizers"][name])
         start = state["step"]
-    torch.save({"start": start, "node_ip": ray.util.get_node_ip_address(), "node_rank": context.get_node_rank(),
+    torch.save({"start": start, "time": time.time(), "node_ip": ray.util.get_node_ip_address(),
+                "node_rank": context.get_node_rank(),
                 "wrappers": {name: type(m).__name__ for name, m in models.items()},
                 "unwrapped": type(prepare_model(_mlp(), parallel_strategy=None)).__name__,
                 "state_dict_keys": {name: sorted(m.state_dict()) for name, m in models.items()}},
                out / f"start_r{rank}_{attempt}.pt")
     for step in range(start, STEPS):
-        if config.get("fail") and step == FAIL_AT and rank == 1 and attempt == 1:
-            os._exit(1)  # a worker process dies, as on a lost machine
         grads: dict[str, list[np.ndarray]] = {name: [] for name in models}
         for micro in range(ACCUMULATE):
             inputs, targets = _batch(rank, step, micro)
@@ -93,9 +103,10 @@ def _train(config: dict[str, Any]) -> None:
         for optimizer in optimizers.values():
             optimizer.step()
             optimizer.zero_grad()
-        record = {"attempt": attempt, "grads": grads,
-                  "params": {name: _flat(m.parameters()) for name, m in models.items()}}
-        torch.save(record, out / f"step_r{rank}_{step}.pt")
+        record = {"grads": grads, "params": {name: _flat(m.parameters()) for name, m in models.items()}}
+        torch.save(record, out / f"step_r{rank}_{step}_{attempt}.pt")
+        if attempt == 1 and step >= FAIL_AT:
+            continue  # past the last checkpoint: these steps are redone after the restart
         state = {"step": step + 1, "models": {name: m.module.state_dict() for name, m in models.items()},
                  "optimizers": {name: o.state_dict() for name, o in optimizers.items()}}
         with tempfile.TemporaryDirectory() as folder:
@@ -104,6 +115,23 @@ def _train(config: dict[str, Any]) -> None:
                 torch.save(state, Path(folder) / "state.pt")
                 saved = ray.train.Checkpoint.from_directory(folder)
             ray.train.report({"step": step + 1}, checkpoint=saved)
+    if attempt == 1 and rank == 1:
+        _wait_until_registered(Path(config["snapshot"]), FAIL_AT)
+        os._exit(1)  # a worker process dies, as on a lost machine
+
+
+def _wait_until_registered(snapshot: Path, step: int, timeout_s: float = 120) -> None:
+    """Until Ray's controller has registered the checkpoint of ``step`` (it polls the workers' reports,
+    so a worker dying just after ``report`` can be faster); its checkpoint manager then writes this file."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            latest = json.loads(snapshot.read_text())["latest_checkpoint_result"]
+            if latest and latest["metrics"]["step"] == step:
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +141,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
     logs = tmp_path_factory.mktemp("ray_logs")
     python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     nodes = RayCluster(logs, python_path)
+    previous = {name: os.environ.get(name) for name in RAY_TRAIN_ENV}
+    os.environ.update(RAY_TRAIN_ENV)  # the driver's; Ray Train hands them to its controller and workers
     try:
         try:
             nodes.start()
@@ -124,33 +154,35 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
     finally:
         ray.shutdown()
         nodes.stop()
-
-
-def _fit(tmp: Path, name: str, fail: bool) -> dict[str, Any]:
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    out = tmp / name
-    out.mkdir()
-    trainer = TorchTrainer(
-        _train, train_loop_config={"out": str(out), "fail": fail},
-        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, placement_strategy="STRICT_SPREAD"),
-        run_config=RunConfig(name=name, storage_path=str(tmp / "storage"),
-                             failure_config=FailureConfig(max_failures=1 if fail else 0)),
-    )
-    result = trainer.fit()
-    starts = {rank: [torch.load(p, weights_only=False) for p in sorted(out.glob(f"start_r{rank}_*.pt"))]
-              for rank in range(2)}
-    steps = {rank: [torch.load(out / f"step_r{rank}_{step}.pt", weights_only=False) for step in range(STEPS)]
-             for rank in range(2)}
-    return {"starts": starts, "steps": steps, "error": result.error,
-            "checkpoint_step": result.metrics.get("step") if result.metrics else None}
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
 
 
 @pytest.fixture(scope="module")
-def runs(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    tmp = tmp_path_factory.mktemp("ray_runs")
-    return {"plain": _fit(tmp, "plain", fail=False), "failure": _fit(tmp, "failure", fail=True)}
+def run(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One TorchTrainer run, two workers, one failure; what each worker wrote."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    tmp = tmp_path_factory.mktemp("ray_run")
+    out, storage = tmp / "records", tmp / "storage"
+    out.mkdir()
+    snapshot = storage / "run" / "checkpoint_manager_snapshot.json"
+    trainer = TorchTrainer(
+        _train, train_loop_config={"out": str(out), "snapshot": str(snapshot)},
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, placement_strategy="STRICT_SPREAD"),
+        run_config=RunConfig(name="run", storage_path=str(storage), failure_config=FailureConfig(max_failures=1)),
+    )
+    result = trainer.fit()
+    load = lambda path: torch.load(path, weights_only=False)  # noqa: E731
+    starts = {rank: [load(p) for p in sorted(out.glob(f"start_r{rank}_*.pt"))] for rank in range(2)}
+    steps = {rank: {(int(p.stem.split("_")[2]), int(p.stem.split("_")[3])): load(p)
+                    for p in out.glob(f"step_r{rank}_*.pt")} for rank in range(2)}
+    return {"starts": starts, "steps": steps, "error": result.error,
+            "last_step": result.metrics.get("step") if result.metrics else None}
 
 
 def _assert_equal(a: np.ndarray, b: np.ndarray, what: str) -> None:
@@ -158,38 +190,35 @@ def _assert_equal(a: np.ndarray, b: np.ndarray, what: str) -> None:
     assert torch.equal(a, b), f"{what}: max |diff| {(a - b).abs().max()}"
 
 
-def test_prepare_model_is_bit_equal_to_rays_ddp_after_every_step_with_no_sync_accumulation(runs):
-    run = runs["plain"]
-    assert run["error"] is None and run["checkpoint_step"] == STEPS
+def test_prepare_model_is_bit_equal_to_rays_ddp_after_every_step_with_no_sync_accumulation(run):
+    assert run["error"] is None and run["last_step"] == STEPS
     for rank in range(2):
-        (start,) = run["starts"][rank]
-        assert start["wrappers"] == {"ddp": "DistributedDataParallel", "overlap_ddp": "OverlapDDP"}
-        assert start["unwrapped"] == "Sequential"  # parallel_strategy=None: no wrap, as with Ray's
-        assert start["state_dict_keys"]["overlap_ddp"] == start["state_dict_keys"]["ddp"]
-        for step, record in enumerate(run["steps"][rank]):
-            _assert_equal(record["params"]["overlap_ddp"], record["params"]["ddp"], f"rank {rank} step {step}")
+        for start in run["starts"][rank]:
+            assert start["wrappers"] == {"ddp": "DistributedDataParallel", "overlap_ddp": "OverlapDDP"}
+            assert start["unwrapped"] == "Sequential"  # parallel_strategy=None: no wrap, as with Ray's
+            assert start["state_dict_keys"]["overlap_ddp"] == start["state_dict_keys"]["ddp"]
+        assert len(run["steps"][rank]) == STEPS + (STEPS - FAIL_AT)
+        for (step, attempt), record in run["steps"][rank].items():
+            where = f"rank {rank} step {step} attempt {attempt}"
+            _assert_equal(record["params"]["overlap_ddp"], record["params"]["ddp"], where)
             for micro, (ours, theirs) in enumerate(zip(record["grads"]["overlap_ddp"], record["grads"]["ddp"])):
-                _assert_equal(ours, theirs, f"rank {rank} step {step} micro-batch {micro} gradients")
+                _assert_equal(ours, theirs, f"{where} micro-batch {micro} gradients")
 
 
-def test_a_worker_killed_once_resumes_from_the_reported_checkpoint_bit_exactly(runs):
-    plain, failed = runs["plain"], runs["failure"]
-    assert failed["error"] is None and failed["checkpoint_step"] == STEPS
+def test_a_worker_killed_once_resumes_from_the_reported_checkpoint_bit_exactly(run):
     for rank in range(2):
-        first, second = failed["starts"][rank]  # the group was started twice
-        assert first["start"] == 0 and 0 < second["start"] <= FAIL_AT, (first["start"], second["start"])
-        for step in range(STEPS):
-            record, reference = failed["steps"][rank][step], plain["steps"][rank][step]
-            assert record["attempt"] == (2 if step >= second["start"] else 1)
+        assert [start["start"] for start in run["starts"][rank]] == [0, FAIL_AT]  # restarted from the checkpoint
+        for step in range(FAIL_AT, STEPS):
+            resumed, uninterrupted = run["steps"][rank][step, 2], run["steps"][rank][step, 1]
             for name in ("ddp", "overlap_ddp"):
-                _assert_equal(record["params"][name], reference["params"][name], f"{name} rank {rank} step {step}")
-            _assert_equal(record["params"]["overlap_ddp"], record["params"]["ddp"], f"rank {rank} step {step}")
+                _assert_equal(resumed["params"][name], uninterrupted["params"][name], f"{name} rank {rank} step {step}")
 
 
-def test_the_two_workers_ran_on_two_nodes(runs):
-    starts = runs["plain"]["starts"]
-    assert {starts[rank][0]["node_ip"] for rank in range(2)} == {HEAD_IP, SECOND_IP}
-    assert {starts[rank][0]["node_rank"] for rank in range(2)} == {0, 1}
+def test_the_two_workers_ran_on_two_nodes(run):
+    for attempt in range(2):
+        starts = [run["starts"][rank][attempt] for rank in range(2)]
+        assert {start["node_ip"] for start in starts} == {HEAD_IP, SECOND_IP}
+        assert {start["node_rank"] for start in starts} == {0, 1}
 
 
 def test_prepare_model_refuses_fsdp_and_unknown_arguments_by_name():
