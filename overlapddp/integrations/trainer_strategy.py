@@ -50,7 +50,8 @@ class OverlapDDPStrategySteps:
     def _setup_model(self, model: nn.Module) -> OverlapDDP:
         if not getattr(model, "automatic_optimization", True):
             _check_manual_optimization(self._ddp_kwargs)
-        device_ids = self.determine_ddp_device_ids()
+        ids = self.determine_ddp_device_ids()
+        device_ids: list[int | torch.device] | None = None if ids is None else list(ids)
         # As DDPStrategy does: build the wrapper on a side stream on CUDA.
         ctx = torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext()
         with ctx:
@@ -67,8 +68,8 @@ class OverlapDDPStrategySteps:
 
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         """Manual optimization: the forward did not arm the reduction; arm it from the loss, as DDP's does."""
-        model = self.model
-        if not isinstance(model, OverlapDDP) or self.lightning_module.automatic_optimization:
+        model, module = self.model, self.lightning_module
+        if not isinstance(model, OverlapDDP) or module is None or module.automatic_optimization:
             return
         if torch.is_grad_enabled() and model.require_backward_grad_sync:
             arm_backward_sync(model, [closure_loss], caller=f"{type(self).__name__}.pre_backward", rebuild=True)
