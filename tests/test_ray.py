@@ -201,7 +201,8 @@ def test_prepare_model_is_bit_equal_to_rays_ddp_after_every_step_with_no_sync_ac
         for (step, attempt), record in run["steps"][rank].items():
             where = f"rank {rank} step {step} attempt {attempt}"
             _assert_equal(record["params"]["overlap_ddp"], record["params"]["ddp"], where)
-            for micro, (ours, theirs) in enumerate(zip(record["grads"]["overlap_ddp"], record["grads"]["ddp"])):
+            grads = zip(record["grads"]["overlap_ddp"], record["grads"]["ddp"], strict=True)
+            for micro, (ours, theirs) in enumerate(grads):
                 _assert_equal(ours, theirs, f"{where} micro-batch {micro} gradients")
 
 

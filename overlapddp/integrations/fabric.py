@@ -35,8 +35,10 @@ class OverlapDDPFabricStrategy(DDPStrategy):
         super().__init__(*args, **kwargs)
         self._backward_sync_control = _OverlapDDPBackwardSyncControl()
 
-    def setup_module(self, module: nn.Module) -> OverlapDDP:
-        device_ids = self._determine_ddp_device_ids()
+    # Fabric types its wrapper as DistributedDataParallel; OverlapDDP is its drop-in, not a subclass.
+    def setup_module(self, module: nn.Module) -> OverlapDDP:  # type: ignore[override]
+        ids = self._determine_ddp_device_ids()
+        device_ids: list[int | torch.device] | None = None if ids is None else list(ids)
         # As Fabric's DDPStrategy does: build the wrapper on a side stream on CUDA.
         ctx = torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext()
         with ctx:

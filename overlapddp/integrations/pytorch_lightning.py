@@ -29,7 +29,7 @@ class _OverlapDDPForwardRedirection(ManualOptimizationRedirection, _ForwardRedir
     pass
 
 
-class OverlapDDPStrategy(OverlapDDPStrategySteps, DDPStrategy):
+class OverlapDDPStrategy(OverlapDDPStrategySteps, DDPStrategy):  # type: ignore[misc]
     """``pytorch_lightning``'s ``DDPStrategy`` whose model is an :class:`~overlapddp.OverlapDDP`;
     ``DDPStrategy``'s arguments pass through (:class:`OverlapDDPStrategySteps` says how)."""
 

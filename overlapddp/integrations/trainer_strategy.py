@@ -15,7 +15,7 @@ and unwrapping at teardown.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -23,10 +23,15 @@ from torch import nn
 from overlapddp.integrations.backward_sync import arm_backward_sync
 from overlapddp.wrapper import OverlapDDP
 
+if TYPE_CHECKING:  # for the type checker only: at run time each package's module supplies the base
+    from lightning.pytorch.strategies import DDPStrategy as _StrategyBase
+else:
+    _StrategyBase = object
+
 STRATEGY_NAME = "overlap_ddp"
 
 
-class OverlapDDPStrategySteps:
+class OverlapDDPStrategySteps(_StrategyBase):
     """Put in front of a Lightning ``DDPStrategy``: its model is an :class:`OverlapDDP`.
 
     DDP's own arguments (``bucket_cap_mb``, ``find_unused_parameters``, ``static_graph``, ...) and
@@ -47,7 +52,8 @@ class OverlapDDPStrategySteps:
         super().__init__(*args, **kwargs)
         self._forward_redirection = self._redirection()
 
-    def _setup_model(self, model: nn.Module) -> OverlapDDP:
+    # DDPStrategy types its wrapper as DistributedDataParallel; OverlapDDP is its drop-in, not a subclass.
+    def _setup_model(self, model: nn.Module) -> OverlapDDP:  # type: ignore[override]
         if not getattr(model, "automatic_optimization", True):
             _check_manual_optimization(self._ddp_kwargs)
         ids = self.determine_ddp_device_ids()
@@ -60,7 +66,7 @@ class OverlapDDPStrategySteps:
     def _register_ddp_hooks(self) -> None:
         if self._ddp_comm_hook is not None:
             self._register_comm_hook(
-                model=self.model,
+                model=self.model,  # an OverlapDDP: it registers hooks as DDP does
                 ddp_comm_state=self._ddp_comm_state,
                 ddp_comm_hook=self._ddp_comm_hook,
                 ddp_comm_wrapper=self._ddp_comm_wrapper,
