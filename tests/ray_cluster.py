@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -96,6 +97,10 @@ class RayCluster:
                 except ProcessLookupError:
                     pass
             proc.wait()
+        # The head wrote its address here for ray.init() to find; that cluster is gone now.
+        current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+        if current.exists() and current.read_text().strip() == self.address:
+            current.unlink()
 
 
 def _listening(host: str, port: int) -> bool:

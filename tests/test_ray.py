@@ -86,7 +86,7 @@ def _train(config: dict[str, Any]) -> None:
             model.module.load_state_dict(state["models"][name])
             optimizers[name].load_state_dict(state["optimizers"][name])
         start = state["step"]
-    torch.save({"start": start, "time": time.time(), "node_ip": ray.util.get_node_ip_address(),
+    torch.save({"start": start, "node_ip": ray.util.get_node_ip_address(),
                 "node_rank": context.get_node_rank(),
                 "wrappers": {name: type(m).__name__ for name, m in models.items()},
                 "unwrapped": type(prepare_model(_mlp(), parallel_strategy=None)).__name__,
