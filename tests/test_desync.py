@@ -22,7 +22,7 @@ def _train(rank: int, world_size: int, behaviour: str) -> str:
         if iteration == 1 and behaviour == "skip" and rank == 0:
             continue  # a data-dependent skip on one rank
         if iteration == 1 and rank == 1 and behaviour == "stuck":
-            time.sleep(15)  # longer than the process group's timeout
+            time.sleep(10)  # longer than the process group's timeout and the others' grace
         if iteration == 1 and rank == 1 and behaviour == "die":
             os._exit(3)
         try:
