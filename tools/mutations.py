@@ -270,7 +270,7 @@ MUTATIONS = (
         "a copy or pickle of a wrapper with require_backward_grad_sync=False comes back reducing",
         "overlapddp/pickling.py",
         '    state["_comm_hooks"] = []\n',
-        '    state["_comm_hooks"] = []\n    state["require_backward_grad_sync"] = True\n',
+        '    state["_comm_hooks"] = []\n    state["_sync_flags"] = type(state["_sync_flags"])()\n',
         ("tests/test_pickling.py::test_a_copy_keeps_require_backward_grad_sync_as_ddp_copies_it[deepcopy]",),
     ),
     Mutation(
