@@ -104,7 +104,7 @@ class Fence:
         # callback (any thread), so a timeline shows completions during backward where they happened.
         self._finished_at: dict[int, float] = {}
         self._launched_at: dict[int, float] = {}
-        # Called with (bucket, future) before ``complete`` waits: the desync records' patient wait.
+        # Called with (bucket, future) before ``complete`` waits: the desync records note the wait.
         self.before_wait: Callable[[int, Future], None] | None = None
 
     def _record(self, bucket: int, edge: str, actor: str, event: str | None = None, at: float | None = None) -> None:

@@ -2,19 +2,17 @@
 
 Each rank keeps one record in the process group's store, rewritten twice per synchronized iteration
 (after its forward, after its reduction): its iteration (synchronized forwards so far), the backwards
-it has reduced, and the last forward whose backward never came. A bucket whose collective is not
-done after ``PATIENCE_S`` adds where this rank waits. When the collective then fails (the process
-group's timeout, a rank that died or left), the error names the ranks behind this one and where each
-is. Only the store is touched: no collective
-is added and no reduced value changes. On CUDA devices (NCCL) no record is kept: a host never waits
-there, the device does.
+it has reduced, and the forwards that ran without a backward. A bucket whose collective is not done
+when this rank starts waiting for it adds that (one more write). When the collective then fails (the
+process group's timeout, a rank that died or left), the error names the ranks behind this one and
+where each is. Only the store is touched: no collective is added, no reduced value changes, and no
+wait is added (the fence's is the only one). On CUDA devices (NCCL) no record is kept: a host never
+waits there, the device does.
 """
-
 from __future__ import annotations
 
 import itertools
 import json
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +22,6 @@ import torch.distributed as dist
 
 from overlapddp.torch_compat import group_store
 
-PATIENCE_S = 5.0  # a wait this long is written to the store
 GRACE_S = 2.0  # after a failed wait, how long a rank at the same position may take to report the same failure
 
 _wrappers = itertools.count()  # one key space per wrapper, in construction order (the same on every rank)
@@ -38,7 +35,7 @@ class Position:
     reductions: int  # backwards reduced
     dropped: int  # forwards followed by another forward instead of a backward (GAN steps have some)
     last_dropped: int | None  # the iteration of the last of them
-    waiting: tuple[int, int] | None  # (backward, bucket) this rank waits for, after PATIENCE_S
+    waiting: tuple[int, int] | None  # (backward, bucket) this rank waits for
 
     def describe(self, mine: Position) -> str:
         if self.waiting is not None:
@@ -83,17 +80,13 @@ class ProgressRecord:
         self._write(Position(iteration, reductions, self._mine.dropped, self._mine.last_dropped, None))
 
     def wait_for(self, bucket: int, future: Any) -> None:
-        """Block until ``future`` is done; past ``PATIENCE_S`` say in the store what this rank waits for."""
+        """The fence is about to wait for ``bucket``: if its collective is not done, say so in the store
+        (one write; the fence's own wait does the waiting, so nothing here orders a read)."""
         if self._store is None or future.done():
-            return
-        finished = threading.Event()
-        future.add_done_callback(lambda _: finished.set())
-        if finished.wait(PATIENCE_S):
             return
         mine = self._mine
         waiting = (mine.reductions + 1, bucket)
         self._write(Position(mine.iteration, mine.reductions, mine.dropped, mine.last_dropped, waiting))
-        finished.wait()
 
     def behind(self, bucket: int) -> str:
         """For an error on this rank's wait for ``bucket``: the ranks behind it and where each is.
