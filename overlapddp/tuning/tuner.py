@@ -1,5 +1,5 @@
 """Measure, model, then select: the stateful half of ``bucket_plan="tuned"`` (the planning is
-tuned_plan.py, the selection plan_selection.py).
+cost_model.py, the selection selection.py).
 
 After DDP's own rebuild, the reducer reports a few synchronized iterations here (calibration): when
 each gradient was marked ready, when each bucket launched and completed, and how long the work after
@@ -8,7 +8,7 @@ the device's clock (clock.py: CUDA events on GPUs). Then, at a forward that ever
 same iteration count, the ranks share their ready times (a gradient counts as ready when the slowest
 rank had it), rank 0 plans from them and its own link and work measurements, and broadcasts the
 layout. That plan is one candidate of a selection that runs each candidate layout for a few real
-iterations and keeps the fastest (plan_selection.py), agreed by every rank. A rank that joined
+iterations and keeps the fastest (selection.py), agreed by every rank. A rank that joined
 (uneven inputs) counts the iterations it shadows, so every collective is issued by every rank at the
 same point.
 
@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 from overlapddp.bucket_plan import BucketPlan, explicit_plan
-from overlapddp.clock import Stamp, clock_for
-from overlapddp.plan_selection import MAX_SELECTION_ITERATIONS, PlanSelection, candidate_layouts
-from overlapddp.tuned_plan import BucketTiming, fit_finalize, fit_link, tuned_plan
+from overlapddp.tuning.clock import Stamp, clock_for
+from overlapddp.tuning.selection import MAX_SELECTION_ITERATIONS, PlanSelection, candidate_layouts
+from overlapddp.tuning.cost_model import BucketTiming, fit_finalize, fit_link, tuned_plan
 
 CALIBRATION_ITERATIONS = 2  # measured synchronized iterations after DDP's rebuild
 # Synchronized iterations after DDP's rebuild until the layout is final, at the latest.

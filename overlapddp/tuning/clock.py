@@ -34,7 +34,12 @@ class HostClock:
         """Each stamp's time from ``origin``; a completion whose callback has not run yet counts as
         now (it may run just after the waiter woke)."""
         now = time.perf_counter()
-        return [(min(s, default=now) if isinstance(s, list) else s) - origin for s in stamps]
+        return [self.host_time(s, now) - origin for s in stamps]  # type: ignore[operator]
+
+    @staticmethod
+    def host_time(stamp: Stamp, now: float) -> float:
+        """The host time of a stamp of this clock; a completion not seen yet counts as ``now``."""
+        return min(stamp, default=now) if isinstance(stamp, list) else stamp  # type: ignore[return-value]
 
 
 class CudaClock(HostClock):
