@@ -30,7 +30,7 @@ from overlapddp.mixed_precision import MixedPrecision, ParameterCasts, ReduceInP
 from overlapddp.module_sync import broadcast_coalesced
 from overlapddp.optimizer_guard import OptimizerGuard
 from overlapddp.optimizer_overlap import OverlappedOptimizer
-from overlapddp.param_usage import tensors_in
+from overlapddp.param_usage import map_tensors, tensors_in
 from overlapddp.pickling import bind_to_default_group, pickled_state, take_recipe
 from overlapddp.reducer import Reducer
 from overlapddp.torch_compat import let_dcp_unwrap, queue_callback, to_kwargs
@@ -152,11 +152,11 @@ class OverlapDDP(nn.Module, Joinable):
             announce_backward_sync(self, self.require_backward_grad_sync)
         if self.device_ids:
             target = torch.device(self.device_type, self.device_ids[0])
-            inputs, kwargs = _map_tensors((inputs, kwargs), lambda t: t.to(target, non_blocking=True))
+            inputs, kwargs = map_tensors((inputs, kwargs), lambda t: t.to(target, non_blocking=True))
         if self._mixed_precision is not None:
             precision, casts = self._mixed_precision
             casts.to_low()
-            inputs, kwargs = _map_tensors((inputs, kwargs), precision.cast_input)
+            inputs, kwargs = map_tensors((inputs, kwargs), precision.cast_input)
         return inputs, kwargs
 
     @torch.compiler.disable
@@ -481,16 +481,4 @@ def _end_of_backward_trigger(output: Any, reducer: Reducer) -> Any:
     if not leaves:
         return output
     replaced = dict(zip(map(id, leaves), _EndOfBackward.apply(reducer, *leaves)))
-    return _map_tensors(output, lambda t: replaced.get(id(t), t))
-
-
-def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Apply ``fn`` to every tensor in nested lists, tuples (named ones too) and dicts."""
-    if isinstance(tree, torch.Tensor):
-        return fn(tree)
-    if isinstance(tree, (list, tuple)):
-        items = [_map_tensors(x, fn) for x in tree]
-        return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
-    if isinstance(tree, dict):
-        return type(tree)((k, _map_tensors(v, fn)) for k, v in tree.items())
-    return tree
+    return map_tensors(output, lambda t: replaced.get(id(t), t))

@@ -61,18 +61,16 @@ MUTATIONS = (
     Mutation(
         "ready_order_not_broadcast",
         "each rank rebuilds its buckets from its own gradient-ready order, not rank 0's",
-        "overlapddp/reducer.py",
-        "            dist.broadcast(order, src=dist.get_global_rank(self.process_group, 0), "
-        "group=self.process_group)\n",
+        "overlapddp/layout_lifecycle.py",
+        "            dist.broadcast(order, src=dist.get_global_rank(process_group, 0), group=process_group)\n",
         "",
         (f"{READY_ORDER}[rank_ordered-sgd-cap0.001-3]", f"{READY_VALUES}[rank_ordered-sgd-cap0.001-3]"),
     ),
     Mutation(
         "rebuild_skipped",
         "the ready order is recorded and broadcast, but the buckets are never rebuilt from it",
-        "overlapddp/reducer.py",
-        "            self._adopt_plan(rebuilt_plan(self.params, self._sparse_gradient, self._caps, "
-        "self._rebuilt_from))",
+        "overlapddp/layout_lifecycle.py",
+        "            adopt(rebuilt_plan(self._params, self._sparse_gradient, self._caps, self._rebuilt_from))",
         "            pass",
         (f"{READY_ORDER}[rank_ordered-sgd-cap0.001-2]",),
     ),
@@ -105,29 +103,29 @@ MUTATIONS = (
         "launch_before_last_copy_in",
         "a bucket is launched when one gradient is still missing, before the bucket is copied in",
         "overlapddp/reducer.py",
-        "while self._next_launch < len(self._storages) and self._pending[self._next_launch] == 0:",
-        "while self._next_launch < len(self._storages) and self._pending[self._next_launch] <= 1:",
+        "while self._next_launch < len(self._storages) and self._missing[self._next_launch] == 0:",
+        "while self._next_launch < len(self._storages) and self._missing[self._next_launch] <= 1:",
         (HANDED_OVER,),
     ),
     Mutation(
         "launch_before_copy_in",
         "a complete bucket's collective starts before its gradients are copied into its buffer",
         "overlapddp/reducer.py",
-        "        if self._pending[bucket] == 0:\n"
+        "        if self._missing[bucket] == 0:\n"
         "            self._fill(bucket)\n"
-        "        while self._next_launch < len(self._storages) and self._pending[self._next_launch] == 0:\n"
+        "        while self._next_launch < len(self._storages) and self._missing[self._next_launch] == 0:\n"
         "            if not self._skipped(self._next_launch):\n"
         "                self._launch(self._next_launch)\n"
         "            self._next_launch += 1\n"
         "            if self._next_launch == len(self._storages) and self._dynamic_unused:\n"
         "                self._usage.launch_reduction(self.process_group)\n",
-        "        while self._next_launch < len(self._storages) and self._pending[self._next_launch] == 0:\n"
+        "        while self._next_launch < len(self._storages) and self._missing[self._next_launch] == 0:\n"
         "            if not self._skipped(self._next_launch):\n"
         "                self._launch(self._next_launch)\n"
         "            self._next_launch += 1\n"
         "            if self._next_launch == len(self._storages) and self._dynamic_unused:\n"
         "                self._usage.launch_reduction(self.process_group)\n"
-        "        if self._pending[bucket] == 0:\n"
+        "        if self._missing[bucket] == 0:\n"
         "            self._fill(bucket)\n",
         (HANDED_OVER,),
     ),
@@ -169,7 +167,7 @@ MUTATIONS = (
         "write_during_reduction_unchecked",
         "a gradient changed while its bucket was reduced (clip inside backward) is silently overwritten",
         "overlapddp/reducer.py",
-        "                    self._check_untouched(index)\n",
+        "            self._check_untouched(index)\n",
         "",
         (f"{GUARD}[clip_during_backward-were changed on rank]",),
     ),
@@ -192,9 +190,9 @@ MUTATIONS = (
     Mutation(
         "init_sync_skipped",
         "the constructor does not broadcast rank 0's parameters and buffers",
-        "overlapddp/wrapper.py",
-        "            self._broadcast_state(0, with_buffers=init_sync_buffers)",
-        "            pass",
+        "overlapddp/construction.py",
+        "        broadcast_coalesced(states, 0, group)\n    return delayed",
+        "        pass\n    return delayed",
         ("tests/test_wrapper.py::test_init_sync_broadcasts_rank0_parameters_and_buffers",),
     ),
     Mutation(
@@ -218,8 +216,8 @@ MUTATIONS = (
         "join_divides_by_initial_world_size",
         "under Join, gradients are averaged over all ranks even when told to count the remaining ones",
         "overlapddp/reducer.py",
-        "        self._join_count = None if divide_by_initial_world_size else work",
-        "        self._join_count = None",
+        "        self._training_ranks_work = None if divide_by_initial_world_size else work",
+        "        self._training_ranks_work = None",
         (JOIN_WS2,),
     ),
     Mutation(
@@ -234,16 +232,16 @@ MUTATIONS = (
         "overlapped_update_before_copy_out",
         "overlap=True updates a bucket's parameters before its reduced gradients are written",
         "overlapddp/reducer.py",
-        "                    storage.copy_out(result, write, as_view=self.options.gradient_as_bucket_view)\n"
-        "                    written = [p.grad for p in storage.params if p.grad is not None]\n"
-        '                    self._fence.consumed(index, "copy to param.grad", written)\n'
-        "                if self.after_bucket_reduced is not None:\n"
-        "                    self.after_bucket_reduced(storage.params)\n",
-        "                    if self.after_bucket_reduced is not None:\n"
-        "                        self.after_bucket_reduced(storage.params)\n"
-        "                    storage.copy_out(result, write, as_view=self.options.gradient_as_bucket_view)\n"
-        "                    written = [p.grad for p in storage.params if p.grad is not None]\n"
-        '                    self._fence.consumed(index, "copy to param.grad", written)\n',
+        "            storage.copy_out(result, write, as_view=self.options.gradient_as_bucket_view)\n"
+        "            written = [p.grad for p in storage.params if p.grad is not None]\n"
+        '            self._fence.consumed(index, "copy to param.grad", written)\n'
+        "        if self.after_bucket_reduced is not None:\n"
+        "            self.after_bucket_reduced(storage.params)\n",
+        "            if self.after_bucket_reduced is not None:\n"
+        "                self.after_bucket_reduced(storage.params)\n"
+        "            storage.copy_out(result, write, as_view=self.options.gradient_as_bucket_view)\n"
+        "            written = [p.grad for p in storage.params if p.grad is not None]\n"
+        '            self._fence.consumed(index, "copy to param.grad", written)\n',
         (f"{OVERLAP}::test_overlapped_updates_are_bit_equal_to_ddp_then_step[2]",),
     ),
     Mutation(
