@@ -22,11 +22,12 @@ import torch.distributed as dist
 
 from overlapddp.bucket_plan import BucketCaps, BucketPlan
 from overlapddp.bucket_storage import BucketStorage
-from overlapddp.comm_hook import Bucket, CommHook, allreduce_sum, hook_result, is_unchained, run_hook
+from overlapddp.bucket_reduction import BucketReduction
+from overlapddp.comm_hook import Bucket, CommHook, hook_result
 from overlapddp.delayed_reduction import DelayedReduction
 from overlapddp.fence import Fence
 from overlapddp.layout_lifecycle import LayoutLifecycle
-from overlapddp.module_sync import gather_objects
+from overlapddp.gradient_checks import GradientWriteWatch, nonfinite_error
 from overlapddp.param_usage import UsageMap, grad_accumulators, unreachable
 from overlapddp.sparse_reduction import SparseBucketStorage
 from overlapddp.token_weighting import TokenCount
@@ -92,28 +93,17 @@ class Reducer:
         self._fence = fence
         self._caps = caps
         self._sparse_gradient = list(sparse_gradient)
-        self._comm_hook: tuple[Any, CommHook] | None = None
+        self._reduction = BucketReduction(process_group, options.batched_grad_copy)  # what each collective does
         self.state = ReducerState.IDLE
-        self._scale: float | None = None  # set per backward by prepare_for_backward
-        # Likewise: the world size, the ranks still training under Join, or (None until the first
-        # fill) the global token count.
-        self._divide_by: float | None = 1
-        self._hook_future: torch.futures.Future | None = None  # last hook chain started, see _start_reduction
-        # Under Join: the all-reduce (started by the wrapper's forward) that counts the ranks still
-        # training; waited on by the next prepare_for_backward, see set_join_count.
-        self._training_ranks_work: dist.Work | None = None
         # Read by the optimizer guards: completed reductions and synchronized forwards so far, and
         # whether a backward outside synchronization (no_sync) has accumulated local gradients since
         # the last reduction (a fact about param.grad that outlives the iteration's state).
         self.reductions = 0
         self.synchronized_forwards = 0
         self.local_gradients_since_reduction = False
-        self.checks_nonfinite = check_nonfinite  # see _stop_if_nonfinite
-        # Optimizer guards attached: while any is, report gradients written while their bucket was
-        # reduced (see _check_untouched). Per bucket: each gradient and its version when copied in.
-        self._write_watchers = 0
-        self._copied_versions: dict[int, list[tuple[int, torch.Tensor, int]]] = {}
-        self.tokens: TokenCount | None = None  # token-weighted reduction, see enable_token_weighting
+        self.checks_nonfinite = check_nonfinite  # before each launch, see gradient_checks.nonfinite_error
+        # While optimizer guards are attached: gradients written while their bucket was reduced.
+        self._write_watch = GradientWriteWatch(self.names, self.params, self.rank)
         # Called in finalize with each bucket's parameters once its gradients are written, while
         # later buckets may still be reducing: the overlapped optimizer's per-bucket update.
         self.after_bucket_reduced: Callable[[list[torch.Tensor]], None] | None = None
@@ -156,12 +146,12 @@ class Reducer:
         self._layouts.enable_static_graph()
 
     def set_nonfinite_check(self, enabled: bool) -> None:
-        """Turn the non-finite gradient check on or off (see _stop_if_nonfinite)."""
+        """Turn the non-finite gradient check on or off (see gradient_checks.py)."""
         self.checks_nonfinite = enabled
 
     def watch_gradient_writes(self, watching: bool = True) -> None:
-        """An optimizer guard attaches (or, ``watching=False``, detaches): see _check_untouched."""
-        self._write_watchers += 1 if watching else -1
+        """An optimizer guard attaches (or, ``watching=False``, detaches): see gradient_checks.py."""
+        self._write_watch.watchers += 1 if watching else -1
 
     def set_reduction_callbacks(
         self, after_bucket: Callable[[list[torch.Tensor]], None] | None, after_all: Callable[[], None] | None
@@ -259,24 +249,21 @@ class Reducer:
 
     def enable_token_weighting(self) -> TokenCount:
         """Divide by the global token count instead of the world size (see token_weighting.py)."""
-        if self._comm_hook is not None:
-            raise RuntimeError("Token-weighted reduction cannot be combined with a communication hook.")
-        if self.tokens is None:
-            self.tokens = TokenCount(self._storages[0].buffer.device)
-        return self.tokens
+        return self._reduction.enable_token_weighting(self._storages[0].buffer.device)
 
     def set_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Reduce every bucket with ``hook(state, bucket)`` instead of the scaled sum."""
-        if self.tokens is not None:
-            raise RuntimeError("A communication hook cannot be combined with token-weighted reduction.")
-        if self._comm_hook is not None:
-            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
-        self._comm_hook = (state, hook)
+        self._reduction.set_comm_hook(state, hook)
 
     @property
     def comm_hook(self) -> tuple[Any, CommHook] | None:
         """The registered ``(state, hook)``, or None for the default scaled sum."""
-        return self._comm_hook
+        return self._reduction.comm_hook
+
+    def set_join_count(self, work: dist.Work, divide_by_initial_world_size: bool) -> None:
+        """Under ``Join``: ``work`` sums 1 per rank still training; average over those ranks unless
+        ``divide_by_initial_world_size``."""
+        self._reduction.set_join_count(work, divide_by_initial_world_size)
 
     # -- the iteration ------------------------------------------------------------------------
 
@@ -314,13 +301,7 @@ class Reducer:
         self._ensure_prior_reduction_finished()
         self._reset_iteration()
         self.synchronized_forwards += 1
-        # Scale while copying, as DDP's default path does; a hook or batched copy divides later.
-        no_scaling = self._comm_hook is not None or self.options.batched_grad_copy
-        self._divide_by = self._divisor()
-        self._scale = None if no_scaling else 1.0 / self._divide_by
-        if self.tokens is not None:
-            self.tokens.launch(self.process_group)  # overlaps backward; waited at the first fill
-            self._divide_by = None
+        self._reduction.arm()
         self._record_ready, self._timing = self._layouts.start_iteration()
         if self._dynamic_unused:
             self._unused = unreachable(outputs, self._accumulators)
@@ -409,46 +390,26 @@ class Reducer:
     def _fill(self, index: int) -> None:
         """Copy a complete bucket's gradients in, scaled as DDP scales them (batched, once per bucket)."""
         storage = self._storages[index]
-        no_hook = self._comm_hook is None
-        batched = self.options.batched_grad_copy
-        if self._divide_by is None:  # token weighting: the global count is needed from here on
-            self._divide_by = self.tokens.total(self.rank)
-            self._scale = None if batched else 1.0 / self._divide_by
         self._fence.filling(index)
-        storage.copy_in(
-            [p.grad for p in storage.params],
-            self._scale,
-            divide_by=self._divide_by if batched and no_hook else None,
-            alias_divide_by=self._divide_by if no_hook and not batched else None,
-        )
+        self._reduction.copy_in(storage)
         if self.options.gradient_as_bucket_view:
             storage.point_grads_at_views()
-        elif self._write_watchers:
-            self._copied_versions[index] = [
-                (i, p.grad, p.grad._version) for i, p in zip(self.plan.buckets[index], storage.params)
-                if p.grad is not None
-            ]
+        elif self._write_watch.watchers:
+            self._write_watch.taken(index, self.plan.buckets[index], storage.params)
         self._fence.produced(index, storage.buffer)  # on the stream that wrote the bucket
 
     def _globally_used(self, index: int) -> bool:
         """Whether any rank produced this gradient; a globally unused gradient is left untouched."""
         return self._usage is None or self._usage.globally_used(index)
 
-    def _world_size(self) -> int:
-        return self.process_group.size()
-
-    def _divisor(self) -> int:
-        """The world size, or under ``Join`` the number of ranks still training when asked for."""
-        if self._training_ranks_work is None:
-            return self._world_size()
-        work, self._training_ranks_work = self._training_ranks_work, None
-        work.wait()
-        return int(work.result()[0].item())
-
     def _launch(self, index: int) -> None:
-        if self.checks_nonfinite:
-            self._stop_if_nonfinite(index)
         storage = self._storages[index]
+        if self.checks_nonfinite:
+            members, device = self.plan.buckets[index], storage.buffer.device
+            error = nonfinite_error(index, members, storage.params, self.names, device, self.process_group)
+            if error is not None:
+                self._abandon()
+                raise error
         bucket = self._hook_bucket(index, storage.buffer)
         with torch.autograd.profiler.record_function(f"overlapddp.bucket_{index}.launch"):
             self._fence.launch(index, lambda: self._start_measured(bucket))
@@ -457,9 +418,9 @@ class Reducer:
         """Start the reduction; while the tuned plan calibrates, also time it for the tuner."""
         timing = self._timing
         if timing is None or not timing.measuring:
-            return self._start_reduction(bucket)
+            return self._reduction.start(bucket)
         started, launched = time.perf_counter(), timing.now()
-        future = self._start_reduction(bucket)
+        future = self._reduction.start(bucket)
         buffer = bucket.buffer()
         nbytes = buffer.numel() * buffer.element_size()
         timing.bucket_launched(nbytes, len(bucket.parameters()), started, launched, future)
@@ -473,23 +434,10 @@ class Reducer:
             is_last=index == len(self._storages) - 1,
         )
 
-    def _start_reduction(self, bucket: Bucket) -> torch.futures.Future:
-        """Start one bucket's collective(s): the scaled sum, or the registered hook."""
-        if self._comm_hook is None:
-            return allreduce_sum(self.process_group, bucket)
-        state, hook = self._comm_hook
-        # Hook chains run one bucket at a time, see [Note: one hook chain at a time] in
-        # comm_hook.py: bucket b's hook starts once bucket b-1's future (kept here from the
-        # previous start of this iteration; finalize consumes it through the fence) is done.
-        chained = bucket.index() > 0 and not is_unchained(hook)
-        after = self._hook_future if chained else None
-        self._hook_future = run_hook(hook, state, bucket, after)
-        return self._hook_future
-
     def shadow_backward(self) -> None:
         """A joined rank's backward: the same collectives as the others', on zeros, in the same order."""
         futures = [
-            self._start_reduction(self._hook_bucket(index, torch.zeros_like(storage.buffer)))
+            self._reduction.start(self._hook_bucket(index, torch.zeros_like(storage.buffer)))
             for index, storage in enumerate(self._storages)
         ]
         for future in futures:
@@ -497,11 +445,6 @@ class Reducer:
         if self._dynamic_unused:
             self._usage.shadow_reduction(self.process_group)
         self._layouts.iteration_shadowed()
-
-    def set_join_count(self, work: dist.Work, divide_by_initial_world_size: bool) -> None:
-        """Under ``Join``: ``work`` sums 1 per rank still training; average over those ranks unless
-        ``divide_by_initial_world_size``."""
-        self._training_ranks_work = None if divide_by_initial_world_size else work
 
     def finalize(self) -> None:
         """Complete every bucket in order and write the reduced values into ``param.grad``."""
@@ -536,10 +479,9 @@ class Reducer:
         with torch.autograd.profiler.record_function(f"overlapddp.bucket_{index}.complete"):
             value = self._complete(index)
             reduced_at = timing.now() if timing is not None else None
-            self._check_untouched(index)
+            self._write_watch.check(index)
             write = [self._globally_used(i) for i in self.plan.buckets[index]]
-            hook_name = "allreduce (default)" if self._comm_hook is None else _qualname(self._comm_hook[1])
-            result = hook_result(value, hook_name, index, storage.buffer)
+            result = hook_result(value, self._reduction.hook_name, index, storage.buffer)
             storage.copy_out(result, write, as_view=self.options.gradient_as_bucket_view)
             written = [p.grad for p in storage.params if p.grad is not None]
             self._fence.consumed(index, "copy to param.grad", written)
@@ -560,43 +502,6 @@ class Reducer:
                 f"{self.rank}: {error}. Another rank may have died or timed out. This iteration's gradients "
                 "were not reduced; the process group may no longer be usable."
             ) from error
-
-    def _check_untouched(self, index: int) -> None:
-        """A gradient changed in place (or replaced) after it was copied into its bucket would be
-        silently overwritten by the reduced value: stop instead (guarded optimizers only)."""
-        taken = self._copied_versions.pop(index, [])
-        changed = [self.names[i] for i, grad, version in taken
-                   if self.params[i].grad is not grad or grad._version != version]
-        if changed:
-            raise RuntimeError(
-                f"The gradients of {', '.join(changed)} (bucket {index}) were changed on rank {self.rank} while "
-                "the bucket was being reduced (clip_grad_norm_, zero_grad or another write from inside "
-                "backward); the reduced values would silently replace that change. Change gradients only "
-                "after loss.backward() has returned."
-            )
-
-    def _stop_if_nonfinite(self, index: int) -> None:
-        """Before bucket ``index`` is reduced, make every rank stop if any rank's gradients there are
-        not finite, naming those ranks and parameters (one extra all-reduce per bucket; a debug option).
-
-        The flags are computed on the device; the host reads one count per bucket."""
-        storage = self._storages[index]
-        present = [(i, p.grad) for i, p in zip(self.plan.buckets[index], storage.params) if p.grad is not None]
-        device = storage.buffer.device
-        flags = torch.stack([torch.isfinite(_values(g)).all().logical_not() for _, g in present]) if present else \
-            torch.zeros(0, dtype=torch.bool, device=device)
-        count = flags.sum(dtype=torch.int64).reshape(1)
-        dist.all_reduce(count, group=self.process_group)
-        if count.item() == 0:
-            return
-        bad = [self.names[i] for (i, _), flag in zip(present, flags.tolist()) if flag]
-        everyone = gather_objects(bad, self.process_group, device)
-        found = "; ".join(f"rank {r}: {', '.join(names)}" for r, names in enumerate(everyone) if names)
-        self._abandon()
-        raise FloatingPointError(
-            f"Non-finite gradients (NaN or Inf) in bucket {index} before its reduction ({found}). "
-            "Nothing was reduced, so no rank received them; the wrapper has been reset."
-        )
 
     # -- errors -------------------------------------------------------------------------------
 
@@ -625,19 +530,10 @@ class Reducer:
                 self._storages[index] = self._new_storage(index, self.plan.buckets[index])
         if self.delayed is not None:
             self.delayed.abandon()
-        self._copied_versions = {}
+        self._write_watch.clear()
         self._layouts.iteration_abandoned()
         self._record_ready, self._timing = None, None
         if self._dynamic_unused:
             self._usage.reset()
         self._reset_iteration()
         self.state = ReducerState.IDLE
-
-
-def _values(grad: torch.Tensor) -> torch.Tensor:
-    """The stored values of a dense or sparse gradient."""
-    return grad._values() if grad.is_sparse else grad
-
-
-def _qualname(hook: object) -> str:
-    return getattr(hook, "__qualname__", None) or repr(hook)

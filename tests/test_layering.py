@@ -23,7 +23,7 @@ LAYERS = [
     {"bucket_plan", "bucket_storage", "fence", "comm_hook", "param_usage", "token_weighting", "module_sync",
      "bucket_unscaler", "sparse_reduction"},
     {"tuning.cost_model", "comm_hook_validation", "timeline", "delayed_reduction", "mixed_precision",
-     "tuning.selection"},
+     "tuning.selection", "bucket_reduction", "gradient_checks"},
     {"tuning.tuner", "tuning"},
     {"layout_lifecycle"},  # which layout is in force: initial, DDP's rebuild, tuning, final
     {"reducer"},

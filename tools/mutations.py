@@ -132,7 +132,7 @@ MUTATIONS = (
     Mutation(
         "hook_chaining_dropped",
         "each bucket's comm hook starts as soon as the bucket is ready, not after the previous hook chain",
-        "overlapddp/reducer.py",
+        "overlapddp/bucket_reduction.py",
         "        after = self._hook_future if chained else None",
         "        after = None",
         ("tests/test_comm_hooks.py::test_hook_chains_run_one_bucket_at_a_time",),
@@ -167,7 +167,7 @@ MUTATIONS = (
         "write_during_reduction_unchecked",
         "a gradient changed while its bucket was reduced (clip inside backward) is silently overwritten",
         "overlapddp/reducer.py",
-        "            self._check_untouched(index)\n",
+        "            self._write_watch.check(index)\n",
         "",
         (f"{GUARD}[clip_during_backward-were changed on rank]",),
     ),
