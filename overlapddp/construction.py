@@ -155,19 +155,22 @@ def resolve(module: nn.Module, args: Arguments) -> Construction:
     sparse = _expects_sparse_gradient(module, [p for _, p in trainable])
     sparse_names = [n for (n, _), s in zip(trainable, sparse) if s]
     _check_combinations(args, _Features(args, bool(delayed), sparse_names))
-    options = ReducerOptions(
+    recipe = ReducerRecipe(tuple(n for n, _ in trainable), caps, tuple(sparse), _reducer_options(args))
+    buffers = [b for n, b in module.named_buffers() if n not in ignored]
+    return Construction(
+        group, ignored, trainable, delayed, buffers, device_ids, output_device, forward_sync, init_sync_buffers,
+        sparse_names, precision, recipe, synchronized=[p.detach() for _, p in named],
+    )
+
+
+def _reducer_options(args: Arguments) -> ReducerOptions:
+    return ReducerOptions(
         find_unused_parameters=args.find_unused_parameters,
         static_graph=args.static_graph,
         gradient_as_bucket_view=args.gradient_as_bucket_view,
         batched_grad_copy=args.batched_grad_copy,
         skip_all_reduce_unused_params=args.skip_all_reduce_unused_params,
         tuned_plan=args.bucket_plan == "tuned",
-    )
-    recipe = ReducerRecipe(tuple(n for n, _ in trainable), caps, tuple(sparse), options)
-    buffers = [b for n, b in module.named_buffers() if n not in ignored]
-    return Construction(
-        group, ignored, trainable, delayed, buffers, device_ids, output_device, forward_sync, init_sync_buffers,
-        sparse_names, precision, recipe, synchronized=[p.detach() for _, p in named],
     )
 
 

@@ -12,13 +12,16 @@ reaches the tuner only through it.
 from __future__ import annotations
 
 import enum
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from overlapddp.bucket_plan import BucketCaps, BucketPlan, explicit_plan, initial_plan, rebuilt_plan
 from overlapddp.tuning.tuner import TUNING_ITERATIONS, PlanTuner
+
+if TYPE_CHECKING:
+    from overlapddp.reducer import ReducerOptions
 
 
 class LayoutPhase(enum.Enum):
@@ -37,16 +40,14 @@ class LayoutLifecycle:
         params: Sequence[torch.Tensor],
         sparse_gradient: Sequence[bool],
         caps: BucketCaps,
-        find_unused_parameters: bool,
-        static_graph: bool,
-        tuned: bool,
+        options: ReducerOptions,
     ) -> None:
         self._params = list(params)
         self._sparse_gradient = list(sparse_gradient)
         self._caps = caps
-        self._find_unused_parameters = find_unused_parameters
-        self._static_graph = static_graph
-        self._tuner = PlanTuner(self._params, self._sparse_gradient) if tuned else None
+        self._find_unused_parameters = options.find_unused_parameters
+        self._static_graph = options.static_graph
+        self._tuner = PlanTuner(self._params, self._sparse_gradient) if options.tuned_plan else None
         # This rank's gradient-ready order, appended to by the reducer during synchronized backwards
         # while the rebuild is awaited; broadcast from rank 0 and consumed by the rebuild.
         self._ready_order: list[int] = []

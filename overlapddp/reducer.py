@@ -95,11 +95,10 @@ class Reducer:
         self._sparse_gradient = list(sparse_gradient)
         self._reduction = BucketReduction(process_group, options.batched_grad_copy)  # what each collective does
         self.state = ReducerState.IDLE
-        # Read by the optimizer guards: completed reductions and synchronized forwards so far, and
-        # whether a backward outside synchronization (no_sync) has accumulated local gradients since
-        # the last reduction (a fact about param.grad that outlives the iteration's state).
-        self.reductions = 0
-        self.synchronized_forwards = 0
+        # Read by the optimizer guards: reductions and synchronized forwards so far, and whether a
+        # no_sync backward left local gradients since the last reduction (a fact about param.grad
+        # that outlives the iteration's state: it holds through ARMED and LEARNING).
+        self.reductions = self.synchronized_forwards = 0
         self.local_gradients_since_reduction = False
         self.checks_nonfinite = check_nonfinite  # before each launch, see gradient_checks.nonfinite_error
         # While optimizer guards are attached: gradients written while their bucket was reduced.
@@ -110,14 +109,7 @@ class Reducer:
         self.after_all_reduced: Callable[[], None] | None = None  # once, when every bucket is written
         # delay_all_reduce_named_params: launched by launch_delayed, completed in finalize.
         self.delayed = delayed
-        self._layouts = LayoutLifecycle(
-            self.params, self._sparse_gradient, caps, options.find_unused_parameters, options.static_graph,
-            options.tuned_plan,
-        )
-        # Per synchronized backward, from the layout lifecycle: where to record each fired gradient
-        # (while DDP's rebuild is awaited) and the tuner while it measures; None otherwise.
-        self._record_ready: Callable[[int], None] | None = None
-        self._timing: PlanTuner | None = None
+        self._layouts = LayoutLifecycle(self.params, self._sparse_gradient, caps, options)
         self._configure(options)
         self._install_plan(self._layouts.initial_plan())
 
@@ -180,6 +172,10 @@ class Reducer:
         self._next_launch = 0
         self._unused_marked = False
         self._fires = [0] * len(self.params)
+        # Per synchronized backward, from the layout lifecycle: where to record each fired gradient
+        # (while DDP's rebuild is awaited) and the tuner while it measures; None otherwise.
+        self._record_ready: Callable[[int], None] | None = None
+        self._timing: PlanTuner | None = None
 
     @property
     def _dynamic_unused(self) -> bool:
@@ -532,7 +528,6 @@ class Reducer:
             self.delayed.abandon()
         self._write_watch.clear()
         self._layouts.iteration_abandoned()
-        self._record_ready, self._timing = None, None
         if self._dynamic_unused:
             self._usage.reset()
         self._reset_iteration()

@@ -19,7 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
-from overlapddp.construction import Arguments, resolve, synchronize
+from overlapddp.construction import Arguments, Construction, resolve, synchronize
 from overlapddp.comm_hook import CommHook
 from overlapddp.comm_hook_validation import builtin_hook, check_comm_hook
 from overlapddp.compile_split import GraphSplitter, in_compiled_autograd
@@ -85,14 +85,27 @@ class OverlapDDP(nn.Module, Joinable):
             skip_all_reduce_unused_params, bucket_cap_mb_list, batched_grad_copy, forward_sync_buffers, bucket_plan,
         )
         built = resolve(module, args)  # every argument checked; no collective yet
+        self._keep(module, args, built)
+        self._delayed = synchronize(built, init_sync)
+        self._reducer = built.recipe.build(dict(built.trainable), self.process_group, self._delayed)
+        self._hook_handles = _register_ready_hooks(self._reducer, self._reducer.params)
+        if self._delayed is not None:
+            self._hook_handles += _register_delayed_hooks(self._reducer, self._delayed, param_to_hook_all_reduce)
+        self._graph_splitter = GraphSplitter(self._reducer, self.bucket_bytes_cap)  # see compile_split.py
+        self._mixed_precision: tuple[MixedPrecision, ParameterCasts] | None = None
+        if built.precision is not None:
+            self._set_up_mixed_precision(built.precision)
+
+    def _keep(self, module: nn.Module, args: Arguments, built: Construction) -> None:
+        """The attributes DDP has (scripts and frameworks read them), from the resolved arguments."""
         self.process_group = built.process_group
         self.module = module
-        self.dim = dim
-        self.find_unused_parameters = find_unused_parameters
-        self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.static_graph = static_graph
-        self.batched_grad_copy = batched_grad_copy
-        self.mixed_precision = mixed_precision
+        self.dim = args.dim
+        self.find_unused_parameters = args.find_unused_parameters
+        self.gradient_as_bucket_view = args.gradient_as_bucket_view
+        self.static_graph = args.static_graph
+        self.batched_grad_copy = args.batched_grad_copy
+        self.mixed_precision = args.mixed_precision
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True  # set by join(); read by forward under Join
@@ -104,15 +117,6 @@ class OverlapDDP(nn.Module, Joinable):
         self.modules_buffers = built.buffers
         self.bucket_bytes_cap = built.recipe.caps.bytes_cap
         self._sparse_names = built.sparse_names
-        self._delayed = synchronize(built, init_sync)
-        self._reducer = built.recipe.build(dict(built.trainable), self.process_group, self._delayed)
-        self._hook_handles = _register_ready_hooks(self._reducer, self._reducer.params)
-        if self._delayed is not None:
-            self._hook_handles += _register_delayed_hooks(self._reducer, self._delayed, param_to_hook_all_reduce)
-        self._graph_splitter = GraphSplitter(self._reducer, self.bucket_bytes_cap)  # see compile_split.py
-        self._mixed_precision: tuple[MixedPrecision, ParameterCasts] | None = None
-        if built.precision is not None:
-            self._set_up_mixed_precision(built.precision)
 
     def _set_up_mixed_precision(self, precision: MixedPrecision) -> None:
         """DDP's ``mixed_precision`` (see mixed_precision.py): buffers cast now, parameters per forward,
