@@ -153,7 +153,7 @@ def resolve(module: nn.Module, args: Arguments) -> Construction:
     forward_sync, init_sync_buffers = _resolve_buffer_sync(args.broadcast_buffers, args.forward_sync_buffers)
     caps = BucketCaps.from_user(args.bucket_cap_mb, args.bucket_cap_mb_list)
     sparse = _expects_sparse_gradient(module, [p for _, p in trainable])
-    sparse_names = [n for (n, _), s in zip(trainable, sparse) if s]
+    sparse_names = [n for (n, _), s in zip(trainable, sparse, strict=True) if s]
     _check_combinations(args, _Features(args, bool(delayed), sparse_names))
     recipe = ReducerRecipe(tuple(n for n, _ in trainable), caps, tuple(sparse), _reducer_options(args))
     buffers = [b for n, b in module.named_buffers() if n not in ignored]

@@ -66,7 +66,7 @@ class OverlappedOptimizer:
         # Version counter of each gradient after the updates: a later in-place change (a user's
         # clip_grad_norm_ or GradScaler.unscale_) could not be honored and is reported at step().
         self._versions: list[tuple[torch.Tensor, int]] = []
-        optimizer.step = self._step  # type: ignore[method-assign]
+        optimizer.step = self._step  # type: ignore[method-assign,assignment]
         reducer.set_reduction_callbacks(self._bucket_reduced, self._finish)
 
     def detach(self) -> None:
@@ -100,11 +100,11 @@ class OverlappedOptimizer:
         groups = self.optimizer.param_groups
         everything = [group["params"] for group in groups]
         try:
-            for group, group_params in zip(groups, everything):
+            for group, group_params in zip(groups, everything, strict=True):
                 group["params"] = [p for p in group_params if id(p) in members]
             self._update()
         finally:
-            for group, group_params in zip(groups, everything):
+            for group, group_params in zip(groups, everything, strict=True):
                 group["params"] = group_params
 
     def _measure_bucket(self, params: list[torch.Tensor]) -> None:
@@ -113,7 +113,7 @@ class OverlappedOptimizer:
         if not grads:
             return
         with torch.no_grad():
-            for p, norm in zip(grads, foreach_norm([p.grad for p in grads], self.norm_type)):
+            for p, norm in zip(grads, foreach_norm([p.grad for p in grads], self.norm_type), strict=True):
                 self._norms[id(p)] = norm
 
     def _finish(self) -> None:

@@ -7,7 +7,7 @@ untouched (``None`` stays ``None``); one that only some ranks used receives the 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -70,7 +70,7 @@ def map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 def grad_accumulators(params: Sequence[torch.Tensor]) -> list[Any]:
     """The autograd node that accumulates each parameter's gradient (kept alive by the caller)."""
     with torch.enable_grad():
-        return [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
+        return [cast(Any, p.view_as(p).grad_fn).next_functions[0][0] for p in params]
 
 
 def unreachable(outputs: Sequence[torch.Tensor], accumulators: Sequence[Any]) -> list[int]:

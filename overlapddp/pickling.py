@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -52,7 +52,7 @@ class ReducerRecipe:
         if missing:
             raise RuntimeError(f"The copied module lacks the parameters {missing} that its OverlapDDP reduced.")
         params = [parameters[n] for n in self.names]
-        fence = fence_for(dict(zip(self.names, (p.device for p in params))))
+        fence = fence_for(dict(zip(self.names, (p.device for p in params), strict=True)))
         return Reducer(
             params, self.names, process_group, fence, self.caps, self.sparse_gradient, self.options,
             delayed=delayed, check_nonfinite=self.checks_nonfinite,
@@ -105,4 +105,4 @@ def bind_to_default_group(recipe: ReducerRecipe) -> dist.ProcessGroup:
             UserWarning,
             stacklevel=4,
         )
-    return dist.group.WORLD
+    return cast(dist.ProcessGroup, dist.group.WORLD)  # initialized, so never None

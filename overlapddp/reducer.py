@@ -15,7 +15,7 @@ import dataclasses
 import enum
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ from overlapddp.token_weighting import TokenCount
 from overlapddp.torch_compat import in_backward
 
 if TYPE_CHECKING:
+    from overlapddp.tuning.clock import Stamp
     from overlapddp.tuning.tuner import PlanTuner
 
 
@@ -178,6 +179,11 @@ class Reducer:
         self._timing: PlanTuner | None = None
 
     @property
+    def _used(self) -> UsageMap:
+        """The usage map, where the options guarantee one (unused-parameter search or static graph)."""
+        return cast(UsageMap, self._usage)
+
+    @property
     def _dynamic_unused(self) -> bool:
         return self.options.find_unused_parameters and not self.options.static_graph
 
@@ -276,7 +282,7 @@ class Reducer:
         if self.options.gradient_as_bucket_view:
             for storage in self._storages:
                 with torch.no_grad():
-                    for param, view in zip(storage.params, storage.views):
+                    for param, view in zip(storage.params, storage.views, strict=True):
                         if param.grad is not None:
                             view.copy_(param.grad)
                 storage.point_grads_at_views()
@@ -358,7 +364,7 @@ class Reducer:
                 self._launch(self._next_launch)
             self._next_launch += 1
             if self._next_launch == len(self._storages) and self._dynamic_unused:
-                self._usage.launch_reduction(self.process_group)
+                self._used.launch_reduction(self.process_group)
 
     def _skipped(self, bucket: int) -> bool:
         """``skip_all_reduce_unused_params``: a bucket of only unused parameters is not reduced."""
@@ -370,12 +376,13 @@ class Reducer:
     def launch_delayed(self) -> None:
         """``param_to_hook_all_reduce`` has its gradient: start the delayed all-reduce, once per
         synchronized backward (finalize completes it, or starts it if this never ran)."""
-        if self.state in _IN_BACKWARD and not self.delayed.launched:
-            self.delayed.launch(self._fence)
+        delayed = cast(DelayedReduction, self.delayed)  # this hook is registered only with one
+        if self.state in _IN_BACKWARD and not delayed.launched:
+            delayed.launch(self._fence)
 
     def reduce_learned_graph(self) -> None:
         """Static graph, end of the first backward: learn who is unused, then reduce everything."""
-        self._usage.launch_reduction(self.process_group)
+        self._used.launch_reduction(self.process_group)
         self._expected_fires = list(self._fires)
         self._unused = [i for i, fires in enumerate(self._fires) if fires == 0]
         self._unused_marked = True
@@ -439,7 +446,7 @@ class Reducer:
         for future in futures:
             future.wait()
         if self._dynamic_unused:
-            self._usage.shadow_reduction(self.process_group)
+            self._used.shadow_reduction(self.process_group)
         self._layouts.iteration_shadowed()
 
     def finalize(self) -> None:
@@ -460,7 +467,7 @@ class Reducer:
             self._abandon()
             raise
         if self._dynamic_unused:
-            self._usage.reset()
+            self._used.reset()
         self._fence.end_iteration()
         self._layouts.iteration_reduced(self._unused)
         self.reductions += 1
@@ -484,7 +491,7 @@ class Reducer:
         if self.after_bucket_reduced is not None:
             self.after_bucket_reduced(storage.params)
         if timing is not None:
-            timing.bucket_finalized(reduced_at, timing.now())
+            timing.bucket_finalized(cast(Stamp, reduced_at), timing.now())
 
     def _complete(self, index: int) -> object:
         """The bucket's reduced value, or an error that says which bucket and rank failed."""
@@ -529,6 +536,6 @@ class Reducer:
         self._write_watch.clear()
         self._layouts.iteration_abandoned()
         if self._dynamic_unused:
-            self._usage.reset()
+            self._used.reset()
         self._reset_iteration()
         self.state = ReducerState.IDLE

@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 import torch
 import torch.distributed as dist
@@ -90,7 +90,8 @@ class OverlapDDP(nn.Module, Joinable):
         self._reducer = built.recipe.build(dict(built.trainable), self.process_group, self._delayed)
         self._hook_handles = _register_ready_hooks(self._reducer, self._reducer.params)
         if self._delayed is not None:
-            self._hook_handles += _register_delayed_hooks(self._reducer, self._delayed, param_to_hook_all_reduce)
+            hook_param = cast(torch.Tensor, param_to_hook_all_reduce)  # checked by resolve
+            self._hook_handles += _register_delayed_hooks(self._reducer, self._delayed, hook_param)
         self._graph_splitter = GraphSplitter(self._reducer, self.bucket_bytes_cap)  # see compile_split.py
         self._mixed_precision: tuple[MixedPrecision, ParameterCasts] | None = None
         if built.precision is not None:
@@ -232,7 +233,7 @@ class OverlapDDP(nn.Module, Joinable):
         module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
         for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
             if name in params_and_buffers_to_ignore:
-                tensor._ddp_ignored = True
+                tensor._ddp_ignored = True  # type: ignore[attr-defined]
 
     # -- DDP's device-placement helpers, kept for scripts that call them --------------------------
 
@@ -242,7 +243,9 @@ class OverlapDDP(nn.Module, Joinable):
         # torch's own helper (DDP's), so lists, named tuples and PackedSequence come back as DDP returns them.
         return to_kwargs(inputs, kwargs, torch.device(self.device_type, device_id))
 
-    def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device_ids: list[int]) -> tuple[tuple, tuple]:
+    def scatter(
+        self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device_ids: list[int]
+    ) -> tuple[tuple, tuple]:
         """Split the inputs along ``dim`` over ``device_ids`` (``torch.nn.parallel.scatter_kwargs``)."""
         return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
 
@@ -484,5 +487,5 @@ def _end_of_backward_trigger(output: Any, reducer: Reducer) -> Any:
     leaves = [t for t in tensors_in(output) if t.grad_fn is not None]
     if not leaves:
         return output
-    replaced = dict(zip(map(id, leaves), _EndOfBackward.apply(reducer, *leaves)))
+    replaced = dict(zip(map(id, leaves), _EndOfBackward.apply(reducer, *leaves), strict=True))
     return map_tensors(output, lambda t: replaced.get(id(t), t))

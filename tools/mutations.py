@@ -118,13 +118,13 @@ MUTATIONS = (
         "                self._launch(self._next_launch)\n"
         "            self._next_launch += 1\n"
         "            if self._next_launch == len(self._storages) and self._dynamic_unused:\n"
-        "                self._usage.launch_reduction(self.process_group)\n",
+        "                self._used.launch_reduction(self.process_group)\n",
         "        while self._next_launch < len(self._storages) and self._missing[self._next_launch] == 0:\n"
         "            if not self._skipped(self._next_launch):\n"
         "                self._launch(self._next_launch)\n"
         "            self._next_launch += 1\n"
         "            if self._next_launch == len(self._storages) and self._dynamic_unused:\n"
-        "                self._usage.launch_reduction(self.process_group)\n"
+        "                self._used.launch_reduction(self.process_group)\n"
         "        if self._missing[bucket] == 0:\n"
         "            self._fill(bucket)\n",
         (HANDED_OVER,),
@@ -215,7 +215,7 @@ MUTATIONS = (
     Mutation(
         "join_divides_by_initial_world_size",
         "under Join, gradients are averaged over all ranks even when told to count the remaining ones",
-        "overlapddp/reducer.py",
+        "overlapddp/bucket_reduction.py",
         "        self._training_ranks_work = None if divide_by_initial_world_size else work",
         "        self._training_ranks_work = None",
         (JOIN_WS2,),

@@ -11,7 +11,7 @@ except when the timings are read, once per measured iteration or selection phase
 from __future__ import annotations
 
 import time
-from typing import Sequence, Union
+from typing import Sequence, Union, cast
 
 import torch
 
@@ -64,7 +64,8 @@ class CudaClock(HostClock):
     def seconds(self, origin: Stamp, stamps: Sequence[Stamp]) -> list[float]:
         """Waits for every stamped event (the host blocks here, once per read)."""
         torch.cuda.synchronize(self._device)
-        return [origin.elapsed_time(s) / 1e3 for s in stamps]
+        start = cast(torch.cuda.Event, origin)
+        return [start.elapsed_time(cast(torch.cuda.Event, s)) / 1e3 for s in stamps]
 
 
 def clock_for(device: torch.device) -> HostClock:

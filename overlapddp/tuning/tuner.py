@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Callable, Sequence
+from typing import Callable, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -99,25 +99,28 @@ class PlanTuner:
     def end_iteration(self) -> None:
         """Every bucket was completed (finalize); keep this iteration's timings if measured."""
         self._ended = True
-        if self._origin is None:
+        origin = self._origin
+        if origin is None:
             return
 
         def read(stamps: list[Stamp]) -> list[float]:
-            return self._clock.seconds(self._origin, stamps)
+            return self._clock.seconds(origin, stamps)
 
         buckets, finalize = self._current_buckets, self._current_finalize
         marked = [i for i, stamp in enumerate(self._current_ready) if stamp is not None]
         ready = [math.nan] * len(self._params)
-        for i, seconds in zip(marked, read([self._current_ready[i] for i in marked])):
+        stamps = [cast(Stamp, self._current_ready[i]) for i in marked]
+        for i, seconds in zip(marked, read(stamps), strict=True):
             ready[i] = seconds
         launched, finished = read([b[2] for b in buckets]), read([b[3] for b in buckets])
-        work = [end - start for start, end in zip(read([f[0] for f in finalize]), read([f[1] for f in finalize]))]
+        starts, ends = read([f[0] for f in finalize]), read([f[1] for f in finalize])
+        work = [end - start for start, end in zip(starts, ends, strict=True)]
         work += [0.0] * (len(buckets) - len(work))
         first = min((t for t in ready if not math.isnan(t)), default=0.0)
         self._ready.append([t - first for t in ready])
         self._buckets.append([
             BucketTiming(n, start, max(done, start), host_s, tensors, seconds)
-            for (n, tensors, _, _, host_s), start, done, seconds in zip(buckets, launched, finished, work)
+            for (n, tensors, _, _, host_s), start, done, seconds in zip(buckets, launched, finished, work, strict=True)
         ])
         self._origin = None
         self._seen += 1
@@ -211,7 +214,8 @@ class PlanTuner:
         iteration (unused there) counts as ready first, as DDP's layout treats unused parameters."""
         if not self._ready:
             return [0.0] * len(self._params)
-        return [statistics.median(0.0 if math.isnan(t) else t for t in times) for times in zip(*self._ready)]
+        per_gradient = zip(*self._ready, strict=True)
+        return [statistics.median(0.0 if math.isnan(t) else t for t in times) for times in per_gradient]
 
     def _plan(self, ready: list[float]) -> BucketPlan | None:
         if not self._ready or not any(self._buckets):
