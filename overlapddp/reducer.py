@@ -282,7 +282,7 @@ class Reducer:
         if self.options.gradient_as_bucket_view:
             for storage in self._storages:
                 with torch.no_grad():
-                    for param, view in zip(storage.params, storage.views, strict=True):
+                    for param, view in zip(storage.params, storage.views, strict=False):  # a sparse bucket has no views
                         if param.grad is not None:
                             view.copy_(param.grad)
                 storage.point_grads_at_views()

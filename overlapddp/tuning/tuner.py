@@ -120,7 +120,7 @@ class PlanTuner:
         self._ready.append([t - first for t in ready])
         self._buckets.append([
             BucketTiming(n, start, max(done, start), host_s, tensors, seconds)
-            for (n, tensors, _, _, host_s), start, done, seconds in zip(buckets, launched, finished, work, strict=True)
+            for (n, tensors, _, _, host_s), start, done, seconds in zip(buckets, launched, finished, work, strict=False)
         ])
         self._origin = None
         self._seen += 1
@@ -214,7 +214,7 @@ class PlanTuner:
         iteration (unused there) counts as ready first, as DDP's layout treats unused parameters."""
         if not self._ready:
             return [0.0] * len(self._params)
-        per_gradient = zip(*self._ready, strict=True)
+        per_gradient = zip(*self._ready, strict=False)
         return [statistics.median(0.0 if math.isnan(t) else t for t in times) for times in per_gradient]
 
     def _plan(self, ready: list[float]) -> BucketPlan | None:
