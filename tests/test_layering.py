@@ -8,6 +8,7 @@ do not count.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "overlapddp"
@@ -135,3 +136,10 @@ def test_the_check_sees_a_framework_import(tmp_path):
     fake.write_text("import lightning.pytorch as pl\nfrom overlapddp.integrations import lightning\n")
     assert _external_roots(fake) & FRAMEWORKS == {"lightning"}
     assert _runtime_imports(fake)[0] == {"integrations"}
+
+
+def test_the_module_map_in_the_docs_names_every_module():
+    text = (PACKAGE.parent / "docs" / "how_it_works.md").read_text()
+    documented = set(re.findall(r"`([a-z_/]+)\.py`", text))
+    modules = {name.replace(".", "/") for name in set().union(*LAYERS)} - {"__init__", "tuning"}
+    assert sorted(modules - documented) == [], "modules missing from the map in docs/how_it_works.md"
