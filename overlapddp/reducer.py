@@ -42,8 +42,9 @@ class ReducerState(enum.Enum):
     """Where the reducer is in an iteration: the only record of it.
 
     IDLE -> ARMED (prepare_for_backward) -> REDUCING (first gradient counted in) -> FINALIZING
-    (finalize) -> IDLE; with a static graph's first backward ARMED -> LEARNING (first gradient) ->
-    FINALIZING (reduce_learned_graph). Any failure abandons the iteration: -> IDLE.
+    (finalize) -> IDLE; a static graph's first backward: ARMED -> LEARNING (first gradient) ->
+    REDUCING (reduce_learned_graph counts every gradient in) -> FINALIZING -> IDLE. A failure
+    abandons the iteration: any state -> IDLE (_abandon).
     """
 
     IDLE = "idle"  # no synchronized backward expected: before the first forward, or after finalize
@@ -307,7 +308,7 @@ class Reducer:
         self._record_ready, self._timing = self._layouts.start_iteration()
         if self._dynamic_unused:
             self._unused = unreachable(outputs, self._accumulators)
-        self.state = ReducerState.ARMED
+        self.state = ReducerState.ARMED  # IDLE or ARMED -> ARMED: this forward's backward is reduced
 
     def mark_ready(self, index: int) -> bool:
         """Parameter ``index`` has its gradient; returns True when every bucket has launched.
@@ -322,7 +323,7 @@ class Reducer:
         if self.options.static_graph:
             self._fires[index] += 1
             if self._expected_fires is None:
-                self.state = ReducerState.LEARNING
+                self.state = ReducerState.LEARNING  # ARMED -> LEARNING: the graph's first backward
                 return False  # iteration 1 only learns the graph
             expected = self._expected_fires[index]
             if expected == 0:
@@ -352,7 +353,7 @@ class Reducer:
     def _mark(self, index: int) -> None:
         """Count one gradient in; fill and launch every bucket that is complete, in index order."""
         self._marked[index] = True
-        self.state = ReducerState.REDUCING
+        self.state = ReducerState.REDUCING  # ARMED or LEARNING -> REDUCING: finalize is owed from here
         if self._timing is not None:
             self._timing.gradient_ready(index)
         bucket = self._bucket_of[index]
@@ -451,7 +452,7 @@ class Reducer:
 
     def finalize(self) -> None:
         """Complete every bucket in order and write the reduced values into ``param.grad``."""
-        self.state = ReducerState.FINALIZING
+        self.state = ReducerState.FINALIZING  # REDUCING -> FINALIZING: every bucket launched, backward over
         self._fence.backward_ended()
         try:
             for index in range(len(self._storages)):
@@ -473,7 +474,7 @@ class Reducer:
         self.reductions += 1
         self.local_gradients_since_reduction = False
         self._record_ready, self._timing = None, None
-        self.state = ReducerState.IDLE
+        self.state = ReducerState.IDLE  # FINALIZING -> IDLE: every gradient written
 
     def _write_back(self, index: int) -> None:
         """Complete bucket ``index`` and copy its reduced values into ``param.grad``; then its callback."""
@@ -538,4 +539,4 @@ class Reducer:
         if self._dynamic_unused:
             self._used.reset()
         self._reset_iteration()
-        self.state = ReducerState.IDLE
+        self.state = ReducerState.IDLE  # any -> IDLE: the iteration is dropped
