@@ -66,7 +66,8 @@ class OverlappedOptimizer:
         # Version counter of each gradient after the updates: a later in-place change (a user's
         # clip_grad_norm_ or GradScaler.unscale_) could not be honored and is reported at step().
         self._versions: list[tuple[torch.Tensor, int]] = []
-        optimizer.step = self._step  # type: ignore[method-assign,assignment]
+        # Optimizer.step is typed with overloads (closure or none); the overlapped step takes the closure only.
+        optimizer.step = self._step  # type: ignore[method-assign, assignment]
         reducer.set_reduction_callbacks(self._bucket_reduced, self._finish)
 
     def detach(self) -> None:
