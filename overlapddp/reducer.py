@@ -492,7 +492,7 @@ class Reducer:
         if self.after_bucket_reduced is not None:
             self.after_bucket_reduced(storage.params)
         if timing is not None:
-            timing.bucket_finalized(cast(Stamp, reduced_at), timing.now())
+            timing.bucket_finalized(cast("Stamp", reduced_at), timing.now())
 
     def _complete(self, index: int) -> object:
         """The bucket's reduced value, or an error that says which bucket and rank failed."""
