@@ -243,6 +243,15 @@ def test_comm_hooks_record_the_registered_hook_as_ddp_does(one_rank):
     assert ours._comm_hooks == ddp._comm_hooks == [(default_hooks.allreduce_hook, None)]
 
 
+def test_a_refused_bucket_state_changes_nothing(one_rank):
+    model = OverlapDDP(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)))
+    refused = {"ready_order": [3, 2, 1, 0], "tuned_buckets": [[0, 1], [2, 3]]}  # needs bucket_plan="tuned"
+    with pytest.raises(ValueError, match="construct with bucket_plan='tuned'"):
+        model.load_bucket_state(refused)
+    assert model.bucket_state() == {"ready_order": None, "tuned_buckets": None}
+    assert not model._has_rebuilt_buckets  # DDP's own rebuild still happens
+
+
 def test_set_params_and_buffers_to_ignore_marks_the_module_as_ddp_does(one_rank):
     marked = []
     for wrapper in (DistributedDataParallel, OverlapDDP):
