@@ -5,8 +5,9 @@ gradient-ready order, at the forward after the first synchronized backward (the 
 graph; never when it searches unused parameters on a dynamic graph), then keeps them. With
 ``bucket_plan="tuned"`` the tuner (``tuning/``) then measures, models and selects among layouts for a
 few iterations before the layout is final. A checkpoint's layout (``bucket_state``) can be restored
-instead. The reducer asks this object one question per step and installs the layout it answers; it
-reaches the tuner only through it.
+instead. The reducer asks this object one question per step and installs the layout it answers. The
+tuner is made and driven only here; the reducer gets it from ``start_iteration`` for one iteration,
+only to report the timings it measures.
 """
 
 from __future__ import annotations

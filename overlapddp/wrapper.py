@@ -7,6 +7,7 @@ end-of-backward callback. Everything below it sees tensors only.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import weakref
 from contextlib import contextmanager
@@ -78,12 +79,8 @@ class OverlapDDP(nn.Module, Joinable):
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
-        args = Arguments(
-            device_ids, output_device, dim, broadcast_buffers, init_sync, process_group, bucket_cap_mb,
-            find_unused_parameters, check_reduction, gradient_as_bucket_view, static_graph,
-            delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, device_mesh,
-            skip_all_reduce_unused_params, bucket_cap_mb_list, batched_grad_copy, forward_sync_buffers, bucket_plan,
-        )
+        given = locals()  # DDP's arguments by name, so none can shift into another's place
+        args = Arguments(**{field.name: given[field.name] for field in dataclasses.fields(Arguments)})
         built = resolve(module, args)  # every argument checked; no collective yet
         self._keep(module, args, built)
         self._delayed = synchronize(built, init_sync)

@@ -252,6 +252,13 @@ def test_a_refused_bucket_state_changes_nothing(one_rank):
     assert not model._has_rebuilt_buckets  # DDP's own rebuild still happens
 
 
+def test_the_constructor_hands_every_argument_to_its_steps():
+    from overlapddp.construction import Arguments
+
+    fields = [field.name for field in dataclasses.fields(Arguments)]
+    assert fields == list(inspect.signature(OverlapDDP.__init__).parameters)[2:]  # less self and module
+
+
 def test_set_params_and_buffers_to_ignore_marks_the_module_as_ddp_does(one_rank):
     marked = []
     for wrapper in (DistributedDataParallel, OverlapDDP):
