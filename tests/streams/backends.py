@@ -27,6 +27,7 @@ test process's real one-rank gloo group, used for ranks and sizes and host-level
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Callable, Iterator
 
 import torch
@@ -163,6 +164,10 @@ class Nccl(Backend):
 class Gloo(Backend):
     name = "gloo"
 
+    def __init__(self, sim: Sim) -> None:
+        super().__init__(sim)
+        sim.frees_on_current = True
+
     def collective(self, tensor: torch.Tensor, what: str, async_op: bool) -> SimWork | None:
         worker = self.sim.new_stream("gloo worker ")
         self.sim.wait_stream(worker, self.sim.current)
@@ -236,6 +241,15 @@ class AutogradModel:
             self.frames.pop()
 
 
+_REAL_IS_AVAILABLE = torch.cuda.is_available
+
+
+def _available_to_comm_hooks() -> bool:
+    """torch's comm hooks see CUDA (PowerSGD then syncs the device in its last callback, as on a GPU)."""
+    caller = sys._getframe(1).f_code.co_filename
+    return "ddp_comm_hooks" in caller or _REAL_IS_AVAILABLE()
+
+
 @contextlib.contextmanager
 def simulate(sim: Sim, backend: str = "nccl") -> Iterator[Backend]:
     """Route collectives, streams, events, backward and its callbacks through the model while the
@@ -261,6 +275,7 @@ def simulate(sim: Sim, backend: str = "nccl") -> Iterator[Backend]:
         (torch.cuda, "default_stream", lambda device=None: sim.default),
         (torch.cuda, "stream", lambda stream: sim.use(stream)),
         (torch.cuda, "synchronize", lambda device=None: sim.synchronize()),
+        (torch.cuda, "is_available", _available_to_comm_hooks),
         (torch.autograd, "backward", autograd.backward),
         (torch_compat, "_ENGINE", _Engine(torch_compat._ENGINE, autograd)),
     ]

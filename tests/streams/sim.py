@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from overlapddp.device_streams import CudaKit
 
@@ -136,6 +136,7 @@ class Sim:
         self.context = ""  # what the scenario is doing, for messages
         self.record_sites: set[str] = set()  # record_stream call sites that ran
         self._labels = 0
+        self.frees_on_current = False  # CPU threads free memory themselves (set by the gloo model)
         self._names: dict[str, int] = {}
 
     # -- streams and clocks ---------------------------------------------------------------------
@@ -194,7 +195,9 @@ class Sim:
         """(key, storage or tensor to watch, kind) of each piece of memory ``tensor`` is made of."""
         if tensor.layout == torch.sparse_coo:
             pieces = [(id(tensor), tensor, "sparse tensor")]
-            for part, kind in ((tensor._indices(), "indices"), (tensor._values(), "values")):
+            with _disable_current_modes():  # the detector's own look is no access
+                inner = ((tensor._indices(), "indices"), (tensor._values(), "values"))
+            for part, kind in inner:
                 storage = part.untyped_storage()
                 pieces.append((storage._cdata, storage, kind))
             return pieces
@@ -218,9 +221,11 @@ class Sim:
             self._record(key, owner, kind, "named").label = f"{label} ({kind})"
 
     def access(self, tensor: torch.Tensor, write: bool, what: str, stream: SimStream | None = None,
-               allocates: bool = False) -> None:
+               allocates: bool = False, metadata: bool = False) -> None:
+        """One access of ``tensor`` by ``what`` on ``stream``; ``metadata``: only a sparse tensor's own
+        object is read (a view of its indices or values)."""
         stream = stream or self.current
-        for key, owner, kind in self.parts(tensor):
+        for key, owner, kind in self.parts(tensor)[:1] if metadata else self.parts(tensor):
             record = self._record(key, owner, kind, what)
             if allocates:
                 record.alloc = stream.name
@@ -252,15 +257,22 @@ class Sim:
             self._record(key, owner, kind, "collective").recorded.add(stream.name)
 
     def _freed(self, key: int, record: StorageRecord) -> None:
+        """CUDA: the block goes back to its allocation stream's pool, reused once every stream it was
+        recorded for reaches where it is now. CPU (``frees_on_current``): freed by the current thread."""
         if self.records.get(key) is record:
             del self.records[key]
-        alloc = self.stream(record.alloc)
-        self.merge_host(alloc)
+        if self.frees_on_current:
+            guards = [self.current]
+        else:
+            guards = [self.stream(record.alloc)] + [self.stream(name) for name in sorted(record.recorded)]
+        for guard in guards:
+            self.merge_host(guard)
         for use in record.used.values():
-            if use.stream in record.recorded or self._after(alloc, use):
+            if any(self._after(guard, use) for guard in guards):
                 continue
-            self._find(f"{record.label} was freed (reusable on {alloc.name}) while {use.what} on {use.stream} "
-                       f"may still use it (no record_stream for {use.stream})")
+            where = f"reusable on {record.alloc}" if not self.frees_on_current else f"by {self.current.name}"
+            self._find(f"{record.label} was freed ({where}) while {use.what} on {use.stream} may still use it"
+                       + ("" if self.frees_on_current else f" (no record_stream for {use.stream} or a stream after it)"))
 
     def _find(self, message: str) -> None:
         text = f"{self.context}: {message}" if self.context else message
@@ -300,6 +312,7 @@ class Accesses(TorchDispatchMode):
         name = str(func)
         reads: list[torch.Tensor] = []
         writes: list[torch.Tensor] = []
+        views: list[torch.Tensor] = []
         for i, arg in enumerate(schema.arguments):
             value = args[i] if i < len(args) else kwargs.get(arg.name)
             tensors = _tensors(value)
@@ -310,8 +323,12 @@ class Accesses(TorchDispatchMode):
                 writes += tensors
             elif info is None:
                 reads += tensors
+            else:
+                views += [t for t in tensors if t.layout == torch.sparse_coo]
         for tensor in reads:
             self.sim.access(tensor, False, name)
+        for tensor in views:
+            self.sim.access(tensor, False, name, metadata=True)
         out = func(*args, **kwargs)
         for tensor in writes:
             self.sim.access(tensor, True, name)
