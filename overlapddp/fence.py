@@ -176,7 +176,9 @@ class Fence:
         return sorted(self._in_flight)
 
     def abandon(self) -> list[int]:
-        """Forget every in-flight collective (after an error); returns the buckets it dropped."""
+        """Forget every in-flight collective (after an error); returns the buckets it dropped. On CPU
+        their buffers may be replaced at once: gloo's work keeps its tensors until it is done, and a
+        hook's callback the tensors it writes."""
         dropped = self.in_flight()
         self._in_flight.clear()
         self.iteration += 1
@@ -280,7 +282,16 @@ class CudaFence(Fence):
             self._kit.record_stream(gradient, current)
 
     def abandon(self) -> list[int]:
+        """Also order the communication stream after each dropped collective and its hook's callbacks
+        (NCCL's future is done at enqueue, so keeping it proves nothing): the buffers, recorded for
+        that stream at launch, then return to the allocator only after those writes."""
         self._produced.clear()
+        with self._kit.use(self._comm_stream):
+            for bucket in self.in_flight():
+                try:
+                    self._kit.wait_future(self._in_flight[bucket], "collective")
+                except Exception:  # noqa: BLE001 - the iteration is dropped; its collective's error with it
+                    pass
         return super().abandon()
 
 

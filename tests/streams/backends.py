@@ -114,7 +114,6 @@ class Backend:
 
     def join(self, after: Any, value: Any) -> None:
         raise NotImplementedError
-
     def callback_stream(self, after: Any, value: Any) -> SimStream:
         raise NotImplementedError
 
@@ -173,6 +172,7 @@ class Gloo(Backend):
         self.sim.wait_stream(worker, self.sim.current)
         self.sim.access(tensor, False, f"gloo {what}", worker)
         self.sim.access(tensor, True, f"gloo {what}", worker)  # sparse: replaces its indices and values
+        self.sim.keep_alive(tensor, worker)  # the work holds its tensors until it ran
         work = SimWork(self, [tensor], worker)
         if async_op:
             return work
@@ -186,7 +186,6 @@ class Gloo(Backend):
     def join(self, after: Any, value: Any) -> None:
         clock = after if isinstance(after, dict) else self.end_of(after)
         self.sim.host_sees(clock)
-
     def callback_stream(self, after: Any, value: Any) -> SimStream:
         if isinstance(after, SimStream):
             return after  # the worker that ran the collective runs its callbacks

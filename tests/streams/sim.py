@@ -258,13 +258,12 @@ class Sim:
 
     def _freed(self, key: int, record: StorageRecord) -> None:
         """CUDA: the block goes back to its allocation stream's pool, reused once every stream it was
-        recorded for reaches where it is now. CPU (``frees_on_current``): freed by the current thread."""
+        recorded for reaches where it is now. CPU (``frees_on_current``): freed by the current thread, or
+        by the last of the backend's workers that kept it."""
         if self.records.get(key) is record:
             del self.records[key]
-        if self.frees_on_current:
-            guards = [self.current]
-        else:
-            guards = [self.stream(record.alloc)] + [self.stream(name) for name in sorted(record.recorded)]
+        first = self.current if self.frees_on_current else self.stream(record.alloc)
+        guards = [first] + [self.stream(name) for name in sorted(record.recorded)]
         for guard in guards:
             self.merge_host(guard)
         for use in record.used.values():
