@@ -111,7 +111,7 @@ class Fence:
             self.log.edges.append(
                 FenceEdge(
                     self.iteration, bucket, edge, actor, self._stream_name(), event,
-                    0 if buffer is None else buffer.data_ptr(), time.perf_counter() if at is None else at,
+                    _address(buffer), time.perf_counter() if at is None else at,
                 )
             )
 
@@ -293,6 +293,14 @@ class CudaFence(Fence):
                 except Exception:  # noqa: BLE001 - the iteration is dropped; its collective's error with it
                     pass
         return super().abandon()
+
+
+def _address(buffer: torch.Tensor | None) -> int:
+    """What names a bucket's buffer in the log: its memory, or a sparse gradient's own identity (it has
+    no data pointer, and a gloo worker may be replacing its indices and values while it reduces)."""
+    if buffer is None:
+        return 0
+    return id(buffer) if buffer.is_sparse else buffer.data_ptr()
 
 
 def _tensors_of(value: object) -> list[torch.Tensor]:
