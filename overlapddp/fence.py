@@ -118,6 +118,9 @@ class Fence:
     def _stream_name(self) -> str:
         return "cpu"
 
+    def gradient_ready(self, bucket: int) -> None:
+        """A gradient of ``bucket`` was accumulated on the current stream (CPU: on this thread)."""
+
     def filling(self, bucket: int) -> None:
         """Edge 0: the producer is about to overwrite the bucket; on CPU every read of it is over."""
 
@@ -125,6 +128,9 @@ class Fence:
         """Edge 1: the producer has written ``buffer``; on CPU that already happened on this thread."""
         self._buffers[bucket] = buffer
         self._record(bucket, "produced", "autograd hook")
+
+    def order_after_produced(self, bucket: int) -> None:
+        """Let the current stream read what the bucket was filled from (before its launch)."""
 
     def launch(self, bucket: int, start: Callable[[], Future]) -> None:
         """Edge 2: start the collective after everything the producer did."""
@@ -210,14 +216,39 @@ class CudaFence(Fence):
         # Stream that ran the last copy-out (current in ``complete``); a reader on another stream
         # (an optimizer on a side stream) waits on all of it in ``make_visible``.
         self._consumer: Any | None = None
+        # Per bucket being filled: the stream of its last accumulated gradient (``gradient_ready``), and
+        # an event on each stream it switched away from; the filling stream waits on them in ``filling``.
+        # Backward accumulates a gradient on the stream its forward op ran on, so one bucket's gradients
+        # can come from several streams; with one stream (the usual case) no event is made.
+        self._last_producer: dict[int, Any] = {}
+        self._other_producers: dict[int, list[Any]] = {}
 
     def _stream_name(self) -> str:
         return f"cuda stream {self._kit.current_stream().stream_id}"
 
+    def gradient_ready(self, bucket: int) -> None:
+        current = self._kit.current_stream()
+        last = self._last_producer.get(bucket)
+        if last is not None and last != current:
+            self._other_producers.setdefault(bucket, []).append(self._event_on(last))
+        self._last_producer[bucket] = current
+
+    def _event_on(self, stream: Any) -> Any:
+        event = self._kit.new_event()
+        event.record(stream)
+        return event
+
     def filling(self, bucket: int) -> None:
+        current = self._kit.current_stream()
+        last = self._last_producer.pop(bucket, None)
+        producers = self._other_producers.pop(bucket, [])
+        if last is not None and last != current:
+            producers.append(self._event_on(last))
+        for event in producers:
+            self._kit.wait_event(current, event, "gradient")
         released = self._released.pop(bucket, None)
         if released is not None:
-            self._kit.wait_event(self._kit.current_stream(), released, "released")
+            self._kit.wait_event(current, released, "released")
 
     def produced(self, bucket: int, buffer: torch.Tensor) -> None:
         producer = self._kit.current_stream()
@@ -227,6 +258,11 @@ class CudaFence(Fence):
         self._kit.record_stream(buffer, producer)
         self._produced[bucket] = event
         super().produced(bucket, buffer)
+
+    def order_after_produced(self, bucket: int) -> None:
+        event = self._produced.get(bucket)
+        if event is not None:
+            self._kit.wait_event(self._kit.current_stream(), event, "produced")
 
     def launch(self, bucket: int, start: Callable[[], Future]) -> None:
         event = self._produced.pop(bucket, None)
@@ -286,6 +322,8 @@ class CudaFence(Fence):
         (NCCL's future is done at enqueue, so keeping it proves nothing): the buffers, recorded for
         that stream at launch, then return to the allocator only after those writes."""
         self._produced.clear()
+        self._last_producer.clear()
+        self._other_producers.clear()
         with self._kit.use(self._comm_stream):
             for bucket in self.in_flight():
                 try:

@@ -361,6 +361,7 @@ class Reducer:
         if self._tuner is not None:
             self._tuner.gradient_ready(index)
         bucket = self._locate[index]
+        self._fence.gradient_ready(bucket)
         self._pending[bucket] -= 1
         if self._pending[bucket] == 0:
             self._fill(bucket)
@@ -435,6 +436,7 @@ class Reducer:
 
     def _launch(self, index: int) -> None:
         if self.check_finite:
+            self._fence.order_after_produced(index)  # the check reads param.grad, maybe on another stream
             self._check_finite(index)
         storage = self._storages[index]
         bucket = self._bucket(index, storage.buffer)

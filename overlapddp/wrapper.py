@@ -621,7 +621,7 @@ def _register_delayed_hooks(reducer: Reducer, delayed: DelayedReduction, hook_pa
         def arrived(_: torch.Tensor) -> None:
             live = reducer_ref()
             if live is not None and live.delayed is not None:
-                live.delayed.gradient_ready(index)
+                live.delayed.gradient_ready(index, live.fence)
 
         return arrived
 

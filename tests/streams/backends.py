@@ -203,12 +203,13 @@ class _Engine:
 
     def queue_callback(self, callback: Callable[[], None]) -> None:
         sim = self._autograd.sim
-        caller, backward = self._autograd.frames[-1] if self._autograd.frames else (sim.current, sim.current)
+        frame = self._autograd.frames[-1] if self._autograd.frames else _Frame(sim.current, sim.current)
 
         def run() -> None:
-            if backward is not caller:
-                sim.wait_stream(caller, backward)  # the engine's leaf-stream sync
-            with sim.use(caller):
+            for stream in [frame.stream, *frame.leaves]:
+                if stream is not frame.caller:
+                    sim.wait_stream(frame.caller, stream)  # the engine's leaf-stream sync
+            with sim.use(frame.caller):
                 callback()
 
         self._real.queue_callback(run)
@@ -217,13 +218,29 @@ class _Engine:
         return getattr(self._real, name)
 
 
+class _Frame:
+    """One running backward: the caller's stream, the root's, and the other streams gradients were
+    accumulated on."""
+
+    def __init__(self, caller: SimStream, stream: SimStream) -> None:
+        self.caller = caller
+        self.stream = stream
+        self.leaves: list[SimStream] = []
+
+
 class AutogradModel:
-    """``torch.autograd.backward`` on the root's stream, after it waited on the caller's."""
+    """``torch.autograd.backward`` on the root's stream, after it waited on the caller's.
+
+    Every node runs on the root's stream, except a branch of forward that ran on another stream
+    (:meth:`branch_on`): its nodes, its parameters' accumulation and their post-accumulate-grad
+    hooks run on that stream, after it waited for the gradient.
+    """
 
     def __init__(self, sim: Sim, real: Callable) -> None:
         self.sim = sim
         self.real = real
-        self.frames: list[tuple[SimStream, SimStream]] = []
+        self.frames: list[_Frame] = []
+        self._leaving: dict[int, Callable[[], None]] = {}  # per branch parameter: its hook, this forward
 
     def backward(self, tensors: Any, *args: Any, **kwargs: Any) -> None:
         caller = self.sim.current
@@ -232,12 +249,36 @@ class AutogradModel:
         stream = self.sim.stream(record.last_write.stream) if record and record.last_write else caller
         if stream is not caller:
             self.sim.wait_stream(stream, caller)
-        self.frames.append((caller, stream))
+        self.frames.append(_Frame(caller, stream))
         try:
             with self.sim.use(stream):
                 self.real(tensors, *args, **kwargs)
         finally:
             self.frames.pop()
+
+    def branch_on(self, output: torch.Tensor, params: list[torch.Tensor], stream: SimStream) -> None:
+        """Backward of the branch of forward that made ``output`` from ``params`` runs on ``stream``
+        (where forward ran it), after that stream waited for ``output``'s gradient; so do the
+        parameters' accumulation and post-accumulate-grad hooks. Call for each forward."""
+        left = [len(params)]
+
+        def enter(grad: torch.Tensor) -> None:
+            self.sim.wait_stream(stream, self.sim.current)  # the engine: a consumer waits for its input
+            self.sim.keep_alive(grad, stream)  # and records it for the consumer's stream
+            self.frames[-1].leaves.append(stream)
+            self.sim._stack.append(stream)
+
+        def leave(_: torch.Tensor) -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                self.sim._stack.pop()
+
+        output.register_hook(enter)
+        if not self._leaving:
+            for param in params:
+                param.register_post_accumulate_grad_hook(lambda p: self._leaving[id(p)]())
+        for param in params:
+            self._leaving[id(param)] = lambda: leave(param)
 
 
 _REAL_IS_AVAILABLE = torch.cuda.is_available
@@ -254,7 +295,7 @@ def simulate(sim: Sim, backend: str = "nccl") -> Iterator[Backend]:
     """Route collectives, streams, events, backward and its callbacks through the model while the
     block runs, and record every access."""
     model: Backend = Nccl(sim) if backend == "nccl" else Gloo(sim)
-    autograd = AutogradModel(sim, torch.autograd.backward)
+    autograd = sim.autograd = AutogradModel(sim, torch.autograd.backward)
 
     def all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False):
         return model.collective(tensor, "all_reduce", async_op)

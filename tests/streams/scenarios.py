@@ -309,6 +309,63 @@ class _Branchy(nn.Module):
         return out + self.extra(out) if use_extra else out
 
 
+class _TwoBranches(nn.Module):
+    """A trunk and a side branch that forward runs on its own stream (so backward accumulates the
+    branch's gradients there), summed at the end: no data flows from one branch to the other."""
+
+    def __init__(self, sim: Sim) -> None:
+        super().__init__()
+        self.sim = sim
+        self.trunk = net()
+        self.side = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.trunk(x)  # first in forward: its gradients are ready after the branch's
+        branch = self.sim.stream("branch")
+        branch.wait_stream(self.sim.current)
+        self.sim.record_stream(x, branch, "user")  # the user's x.record_stream(branch)
+        with self.sim.use(branch):
+            side = self.side(x)
+        self.sim.current.wait_stream(branch)
+        self.sim.record_stream(side, self.sim.current, "user")  # the user's side.record_stream(current)
+        if side.requires_grad:
+            self.sim.autograd.branch_on(side, list(self.side.parameters()), branch)
+        return out + side
+
+
+@scenario("gradients of one bucket produced on two streams")
+def _two_streams_one_bucket(sim: Sim) -> None:
+    module = _TwoBranches(sim)
+    model = wrap(sim, module, bucket_cap_mb=25)  # one bucket, filled by the trunk's first layer, ready last
+    opt = sgd(model)
+    model.attach_optimizer(opt)
+    train(sim, model, opt)
+
+
+@scenario("non-finite check of a bucket launched from another stream than it was filled on")
+def _check_from_another_stream(sim: Sim) -> None:
+    module = _TwoBranches(sim)
+    model = wrap(sim, module, bucket_cap_mb=40 / 2**20)  # 40 bytes: the side branch's two parameters alone
+    # Buckets in this order: the trunk's first layer (ready last) is bucket 0, so the side branch's bucket,
+    # the last one, filled on the branch's stream, launches from the trunk's hook on the default stream.
+    model.load_bucket_state({"ready_order": [0, 1, 2, 3, 5, 4, 6, 7], "tuned_buckets": None})
+    assert model.bucket_indices()[-1] == [6, 7], model.bucket_indices()
+    model.check_nonfinite_gradients()
+    opt = sgd(model)
+    model.attach_optimizer(opt)
+    train(sim, model, opt)
+
+
+@scenario("delayed all-reduce of gradients produced on another stream")
+def _delayed_two_streams(sim: Sim) -> None:
+    module = _TwoBranches(sim)
+    delayed = list(module.side.named_parameters(prefix="side"))
+    model = wrap(sim, module, delay_all_reduce_named_params=delayed, param_to_hook_all_reduce=module.trunk[0].weight)
+    opt = sgd(model)
+    model.attach_optimizer(opt)
+    train(sim, model, opt)
+
+
 @scenario("find_unused_parameters")
 def _unused(sim: Sim) -> None:
     module = _Branchy()

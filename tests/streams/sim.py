@@ -136,6 +136,7 @@ class Sim:
         self.context = ""  # what the scenario is doing, for messages
         self.record_sites: set[str] = set()  # record_stream call sites that ran
         self._labels = 0
+        self.autograd: Any = None  # the engine's model, while simulating (backends.AutogradModel)
         self.frees_on_current = False  # CPU threads free memory themselves (set by the gloo model)
         self._names: dict[str, int] = {}
 
