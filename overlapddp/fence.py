@@ -177,6 +177,9 @@ class Fence:
         """Order the caller, about to read or write ``gradients``, after every completed reduction
         and copy-out; on CPU completion already did."""
 
+    def keep_for_current_stream(self, tensors: Sequence[torch.Tensor]) -> None:
+        """The host is about to drop ``tensors``, which the current stream used; on CPU that work is done."""
+
     def in_flight(self) -> list[int]:
         """Buckets whose collective was launched and not yet completed."""
         return sorted(self._in_flight)
@@ -316,6 +319,11 @@ class CudaFence(Fence):
         self._kit.wait_stream(current, self._consumer, "reader")
         for gradient in gradients:
             self._kit.record_stream(gradient, current)
+
+    def keep_for_current_stream(self, tensors: Sequence[torch.Tensor]) -> None:
+        current = self._kit.current_stream()
+        for tensor in tensors:
+            self._kit.record_stream(tensor, current)
 
     def abandon(self) -> list[int]:
         """Also order the communication stream after each dropped collective and its hook's callbacks

@@ -196,7 +196,9 @@ class OverlapDDP(nn.Module, Joinable):
                 )
         precision.cast_buffers(self.modules_buffers)
         named = self.module.named_parameters()
-        casts = ParameterCasts([p for n, p in named if n not in self.parameters_to_ignore], precision.param_dtype)
+        reducer = weakref.ref(self._reducer)  # the fence it holds now (a test may replace it)
+        casts = ParameterCasts([p for n, p in named if n not in self.parameters_to_ignore], precision.param_dtype,
+                               lambda: reducer().fence)
         self._reducer.set_comm_hook(ReduceInPrecision(precision, casts, self.process_group), reduce_in_precision_hook)
         self._mixed_precision = (precision, casts)
 

@@ -274,6 +274,16 @@ def _mixed(sim: Sim) -> None:
     train(sim, model, opt, forward="forward", backward=("backward",), loss_of=lambda out: out.float().square().sum())
 
 
+@scenario("mixed precision with a branch on another stream")
+def _mixed_branch(sim: Sim) -> None:
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    model = wrap(sim, _TwoBranches(sim), mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16))
+    opt = sgd(model)
+    model.attach_optimizer(opt)
+    train(sim, model, opt, loss_of=lambda out: out.float().square().sum())
+
+
 @scenario("delayed all-reduce")
 def _delayed(sim: Sim) -> None:
     module = net()
