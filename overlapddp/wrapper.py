@@ -19,6 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
+from overlapddp.backend_support import refuse_unsupported
 from overlapddp.bucket_plan import BucketCaps
 from overlapddp.comm_hook import CommHook
 from overlapddp.comm_hook_validation import builtin_hook, check_comm_hook
@@ -137,6 +138,7 @@ class OverlapDDP(nn.Module, Joinable):
 
         sparse = _expects_sparse_gradient(module, params)
         self._sparse_names = [n for n, s in zip(names, sparse) if s]
+        refuse_unsupported(self.process_group, self.device, self._sparse_names)
         if static_graph and find_unused_parameters:
             warnings.warn(
                 "You passed find_unused_parameters=true to OverlapDDP with static_graph enabled; with a "

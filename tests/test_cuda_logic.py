@@ -335,3 +335,23 @@ def test_a_cuda_buckets_completion_delay_is_written_late_on_the_callbacks_stream
     assert written == [0.01]
     with pytest.raises(RuntimeError, match="launched before it was produced"):
         fence.launch(1, lambda: _done([torch.ones(1)]))
+
+
+# -- what the backend cannot reduce is refused at construction ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "backend, device, refused",
+    [("nccl", "cuda", True), ("cpu:gloo,cuda:nccl", "cuda", True), ("cpu:gloo,cuda:nccl", "cpu", False),
+     ("gloo", "cuda", False)],
+)
+def test_sparse_gradients_on_nccl_are_refused_naming_them(monkeypatch, backend, device, refused):
+    from overlapddp.backend_support import refuse_unsupported
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    refuse_unsupported(None, torch.device(device), [])  # nothing sparse: nothing to refuse
+    if not refused:
+        refuse_unsupported(None, torch.device(device), ["emb.weight"])
+        return
+    with pytest.raises(ValueError, match=r"emb\.weight, bag\.weight produce sparse gradients .* gloo"):
+        refuse_unsupported(None, torch.device(device), ["emb.weight", "bag.weight"])

@@ -17,7 +17,7 @@ FRAMEWORKS = {"lightning", "pytorch_lightning", "accelerate", "transformers"}
 
 # Lowest first; a module may import only from strictly lower layers.
 LAYERS = [
-    {"device_streams", "torch_compat"},
+    {"device_streams", "torch_compat", "backend_support"},
     {"bucket_plan", "bucket_storage", "fence", "comm_hook", "param_usage", "token_weighting", "module_sync",
      "bucket_unscaler", "sparse_reduction", "clock"},
     {"tuned_plan", "comm_hook_validation", "timeline", "delayed_reduction", "mixed_precision", "plan_selection"},

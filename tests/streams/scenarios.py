@@ -507,6 +507,18 @@ def _dropped(sim: Sim) -> None:
     del module
 
 
+@scenario("sparse gradients on NCCL are refused at construction")
+def _sparse_on_nccl(sim: Sim) -> None:
+    try:
+        model = wrap(sim, _Sparse())
+    except ValueError as error:
+        if "embedding.weight" in str(error) and "gloo" in str(error):
+            return
+        raise
+    train(sim, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    raise AssertionError("a sparse gradient on NCCL was not refused at construction")
+
+
 # -- the CPU path, with gloo's worker thread as a stream ----------------------------------------------------
 
 
