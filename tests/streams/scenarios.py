@@ -214,6 +214,20 @@ def _late_hook(sim: Sim) -> None:
     train(sim, model, opt, step_on="side")
 
 
+def _compress_into_new_tensor_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Reads the bucket on the stream it is called on, and resolves to a new tensor (not the bucket)."""
+    compressed = bucket.buffer().to(torch.float16)
+    return dist.all_reduce(compressed, async_op=True).get_future().then(lambda f: f.value()[0].to(torch.float32))
+
+
+@scenario("hook reading the bucket and returning a new tensor, buckets rebuilt")
+def _new_tensor_hook(sim: Sim) -> None:
+    model = wrap(sim)
+    model.register_comm_hook(None, _compress_into_new_tensor_hook)
+    # No step: the next forward (which rebuilds the buckets, dropping the first ones) waits for nothing.
+    train(sim, model, None, forward="forward", backward=("backward",))
+
+
 @scenario("optimizer overlap")
 def _overlap(sim: Sim) -> None:
     model = wrap(sim)
@@ -471,8 +485,8 @@ def _abandon_nonfinite(sim: Sim) -> None:
 def _abandon_prior(sim: Sim) -> None:
     module = _Branchy()
     model = wrap(sim, module)
-    model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    for i in range(3):
+    model.register_comm_hook(None, _compress_into_new_tensor_hook)  # reads the bucket on the communication stream
+    for i in range(4):  # 1 leaves the branch unused, 2 raises in forward and abandons, 3 fills the new buckets
         sim.context = f"iteration {i}"
         with sim.use(sim.default):
             try:
