@@ -74,3 +74,17 @@ def test_a_host_sync_orders_later_work_on_every_stream():
             written.sum().item()  # the host waits for side
         written.sum()  # enqueued on default after the host saw side finish
     assert sim.findings == []
+
+
+def test_a_missing_released_wait_shows_only_when_the_backward_stream_changes(one_rank):
+    # The autograd engine makes forward's stream wait for the caller's at each backward; with one
+    # backward stream that wait orders the next copy-in after the last copy-out by itself.
+    def findings(backward: tuple[str, ...]) -> list[str]:
+        sim = Sim(skip_waits=frozenset({"released"}))
+        with simulate(sim):
+            model = scenarios.wrap(sim)
+            scenarios.train(sim, model, None, steps=3, forward="forward", backward=backward)
+        return sim.findings
+
+    assert findings(("backward",)) == []
+    assert any("races" in f for f in findings(("backward A", "backward B")))

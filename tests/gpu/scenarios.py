@@ -165,10 +165,13 @@ def _train(rank: int, reference: Any, ours: Any, opts: list, device: torch.devic
 def _grads_with_forward_and_backward_on_two_streams(
     rank: int, reference: Any, ours: Any, device: torch.device
 ) -> list[bool]:
-    """Forward (and so the gradient hooks and copy-in) on one stream, backward called on another
-    (the copy-out's stream), no step: each iteration's gradients, cloned on the backward stream,
-    must not be overwritten by the next iteration's copy-in. The reference runs on one stream."""
-    forward, backward = torch.cuda.Stream(), torch.cuda.Stream()
+    """Forward (and so the gradient hooks and copy-in) on one stream, backward called on one of two
+    others in turn (the copy-out's stream), no step: each iteration's gradients, cloned on the backward
+    stream, must not be overwritten by the next iteration's copy-in. The backward stream alternates
+    because the autograd engine makes forward's stream wait for the caller's at each backward: with
+    one backward stream that wait alone would order the copy-in after the last copy-out, hiding a
+    missing ``released`` wait. The reference runs on one stream."""
+    forward, backwards = torch.cuda.Stream(), [torch.cuda.Stream(), torch.cuda.Stream()]
     expected, got = [], []
     for step in range(STEPS):
         inputs, target = (t.to(device) for t in models.batch(MODEL, rank, step))
@@ -176,6 +179,7 @@ def _grads_with_forward_and_backward_on_two_streams(
         models.loss_of(reference(inputs), target).backward()
         expected.append([p.grad.clone() for p in reference.parameters()])
     for step in range(STEPS):
+        backward = backwards[step % 2]
         ours.zero_grad(set_to_none=True)
         with torch.cuda.stream(forward):
             inputs, target = (t.to(device) for t in models.batch(MODEL, rank, step))
