@@ -355,3 +355,17 @@ def test_sparse_gradients_on_nccl_are_refused_naming_them(monkeypatch, backend, 
         return
     with pytest.raises(ValueError, match=r"emb\.weight, bag\.weight produce sparse gradients .* gloo"):
         refuse_unsupported(None, torch.device(device), ["emb.weight", "bag.weight"])
+
+
+@pytest.mark.parametrize("mode, backend, refused", [("2", "nccl", True), ("3", "nccl", False), ("2", "gloo", False)])
+def test_nccl_error_handling_that_aborts_without_raising_is_refused(monkeypatch, mode, backend, refused):
+    from overlapddp.backend_support import refuse_unsupported
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.delenv("NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", mode)
+    if not refused:
+        refuse_unsupported(None, torch.device("cuda"), [])
+        return
+    with pytest.raises(ValueError, match="ASYNC_ERROR_HANDLING=2 .* silently use partial sums"):
+        refuse_unsupported(None, torch.device("cuda"), [])
