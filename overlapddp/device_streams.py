@@ -29,8 +29,8 @@ class CudaKit:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def new_stream(self) -> Any:
-        return torch.cuda.Stream(device=self.device)
+    def new_stream(self, high_priority: bool = False) -> Any:
+        return torch.cuda.Stream(device=self.device, priority=-1 if high_priority else 0)
 
     def new_event(self) -> Any:
         return torch.cuda.Event()

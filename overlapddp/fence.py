@@ -208,8 +208,12 @@ class CudaFence(Fence):
         super().__init__()
         self._kit = CudaKit(device) if kit is None else kit
         # Stream the collectives are issued on; it waits on each bucket's ``_produced`` event, and
-        # the consumer waits on it through the event ``complete`` records after the collective.
-        self._comm_stream = self._kit.new_stream()
+        # the consumer waits on it through the event ``complete`` records after the collective. High
+        # priority, so that its short launches are not queued behind compute on the default priority.
+        self._comm_stream = self._kit.new_stream(high_priority=True)
+        # One event per bucket and edge, made once and recorded again each iteration: each record is
+        # waited on (or dropped, after an error) before the same event is recorded again.
+        self._events: dict[tuple[int, str], Any] = {}
         # Event recorded on the producer stream (current when the bucket was filled) after the
         # copy-in; the communication stream waits on it in ``launch``, which then drops it.
         self._produced: dict[int, Any] = {}
@@ -253,9 +257,15 @@ class CudaFence(Fence):
         if released is not None:
             self._kit.wait_event(current, released, "released")
 
+    def _event(self, bucket: int, edge: str) -> Any:
+        event = self._events.get((bucket, edge))
+        if event is None:
+            event = self._events[(bucket, edge)] = self._kit.new_event()
+        return event
+
     def produced(self, bucket: int, buffer: torch.Tensor) -> None:
         producer = self._kit.current_stream()
-        event = self._kit.new_event()
+        event = self._event(bucket, "produced")
         event.record(producer)
         # The buffer may be dropped (a rebuild, an error) while the copy-in is still queued.
         self._kit.record_stream(buffer, producer)
@@ -282,7 +292,7 @@ class CudaFence(Fence):
     def complete(self, bucket: int) -> object:
         with self._kit.use(self._comm_stream):
             value = super().complete(bucket)
-            done = self._kit.new_event()
+            done = self._event(bucket, "completed")
             done.record(self._comm_stream)
         consumer = self._kit.current_stream()
         self._kit.wait_event(consumer, done, "completed")
@@ -295,7 +305,7 @@ class CudaFence(Fence):
 
     def consumed(self, bucket: int, consumer: str, written: Sequence[torch.Tensor] = ()) -> None:
         stream = self._kit.current_stream()
-        released = self._kit.new_event()
+        released = self._event(bucket, "released")
         released.record(stream)
         self._released[bucket] = released
         # The gradients were allocated on the producer stream and written here: a zero_grad that

@@ -369,3 +369,12 @@ def test_nccl_error_handling_that_aborts_without_raising_is_refused(monkeypatch,
         return
     with pytest.raises(ValueError, match="ASYNC_ERROR_HANDLING=2 .* silently use partial sums"):
         refuse_unsupported(None, torch.device("cuda"), [])
+
+
+def test_each_bucket_makes_its_events_once_and_records_them_again(one_rank):
+    kit = RecordingKit()
+    reducer, params = _two_bucket_reducer(kit)
+    _backward(reducer, params, kit)
+    first = kit._events
+    _backward(reducer, params, kit)
+    assert first == 6 and kit._events == first  # produced, completed, released per bucket, once

@@ -88,3 +88,27 @@ def test_a_missing_released_wait_shows_only_when_the_backward_stream_changes(one
 
     assert findings(("backward",)) == []
     assert any("races" in f for f in findings(("backward A", "backward B")))
+
+
+def test_the_cuda_clock_never_makes_the_communication_stream_wait_for_a_collective(one_rank):
+    import torch.distributed as dist
+
+    from overlapddp.clock import CudaClock
+
+    sim = Sim()
+    with simulate(sim):
+        comm = sim.stream("comm")
+        with sim.use(comm):
+            work = dist.all_reduce(torch.ones(2), async_op=True)
+            stamp = CudaClock(torch.device("cpu")).done(work.get_future())
+        assert "nccl" not in comm.clock  # the tuned plan's timing: later launches are not held back
+        assert stamp.clock.get("nccl", 0) > 0  # the stamp itself is after the collective
+
+
+def test_the_communication_stream_has_high_priority(monkeypatch):
+    from overlapddp.fence import CudaFence
+
+    made = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None, priority=0: made.append(priority) or object())
+    CudaFence(torch.device("cpu"))
+    assert made == [-1]

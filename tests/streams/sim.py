@@ -350,7 +350,7 @@ class SimKit(CudaKit):
         super().__init__(torch.device("cpu"))
         self.sim = sim
 
-    def new_stream(self) -> Any:
+    def new_stream(self, high_priority: bool = False) -> Any:
         caller = _site(1)[0].rsplit("/", 1)[-1].removesuffix(".py")
         return self.sim.new_stream({"fence": "comm", "token_weighting": "tokens"}.get(caller, caller))
 
