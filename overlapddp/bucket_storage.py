@@ -20,7 +20,7 @@ def _is_dense_permutation(tensor: torch.Tensor) -> bool:
     Such a parameter keeps its own strides inside the bucket (channels_last stays channels_last).
     """
     expected = 1
-    for size, stride in sorted(zip(tensor.shape, tensor.stride()), key=lambda d: d[1]):
+    for size, stride in sorted(zip(tensor.shape, tensor.stride(), strict=True), key=lambda d: d[1]):
         if size == 1:
             continue
         if stride != expected:
@@ -60,7 +60,7 @@ class BucketStorage:
             self.offsets.append(total)
             total += length
         self.buffer = torch.empty(total, dtype=first.dtype, device=first.device)
-        self.views = [strided_view(self.buffer, p, off) for p, off in zip(params, self.offsets)]
+        self.views = [strided_view(self.buffer, p, off) for p, off in zip(params, self.offsets, strict=True)]
 
     def aliases(self, slot: int, grad: torch.Tensor | None) -> bool:
         """Whether ``grad`` already is this slot's view (``gradient_as_bucket_view`` after a sync)."""
@@ -87,9 +87,13 @@ class BucketStorage:
         DDP divides those in place by ``alias_divide_by`` instead of multiplying.
         """
         aliased = [self.aliases(slot, grad) for slot, grad in enumerate(grads)]
-        copied = [(view, grad) for view, grad, alias in zip(self.views, grads, aliased) if grad is not None and not alias]
+        copied = [
+            (view, grad)
+            for view, grad, alias in zip(self.views, grads, aliased, strict=True)
+            if grad is not None and not alias
+        ]
         with torch.no_grad():
-            for view, grad in zip(self.views, grads):
+            for view, grad in zip(self.views, grads, strict=True):
                 if grad is None:
                     view.zero_()
             if copied:
@@ -101,13 +105,13 @@ class BucketStorage:
                 if multiply_by is not None and copied:
                     foreach_mul_([v for v, _ in copied], multiply_by)
                 if alias_divide_by is not None:
-                    foreach_div_([v for v, a in zip(self.views, aliased) if a], alias_divide_by)
+                    foreach_div_([v for v, a in zip(self.views, aliased, strict=True) if a], alias_divide_by)
             if divide_by is not None:
                 self.buffer.div_(divide_by)
 
     def point_grads_at_views(self) -> None:
         """Make each defined ``param.grad`` its bucket view (``gradient_as_bucket_view``)."""
-        for param, view in zip(self.params, self.views):
+        for param, view in zip(self.params, self.views, strict=True):
             if param.grad is not None and param.grad is not view:
                 param.grad = view
 

@@ -48,7 +48,8 @@ class BucketUnscaler:
 
     def detach(self) -> None:
         """Give the scaler its own ``unscale_`` back."""
-        self.scaler.unscale_ = self._user_unscale  # type: ignore[method-assign]
+        # A bound method of the scaler, read back as a plain callable: mypy calls the types different.
+        self.scaler.unscale_ = self._user_unscale  # type: ignore[method-assign, assignment]
 
     def unscale(self, params: list[torch.Tensor]) -> None:
         """Unscale one reduced bucket's gradients (those of this optimizer) and note any Inf or NaN."""

@@ -16,7 +16,8 @@ from torch.futures import Future
 
 from overlapddp.torch_compat import FUTURE_TYPES
 
-CommHook = Callable[[Any, "Bucket"], Future]
+# A user hook's future may resolve to anything; hook_result checks it is the one tensor expected.
+CommHook = Callable[[Any, "Bucket"], Future[Any]]
 
 
 class Bucket:
@@ -50,7 +51,7 @@ class Bucket:
         """Contiguous per-parameter views into the buffer, in bucket order."""
         return [
             self._buffer.narrow(0, off, length).view(param.shape)
-            for off, length, param in zip(self._offsets, self._lengths, self._params)
+            for off, length, param in zip(self._offsets, self._lengths, self._params, strict=True)
         ]
 
     def parameters(self) -> list[torch.Tensor]:
@@ -66,7 +67,7 @@ class Bucket:
         self._buffer = tensor
 
 
-def allreduce_sum(process_group: dist.ProcessGroup, bucket: Bucket) -> Future:
+def allreduce_sum(process_group: dist.ProcessGroup, bucket: Bucket) -> Future[list[torch.Tensor]]:
     """The default reduction: an in-place SUM all-reduce of the (already scaled) buffer."""
     work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)
     return work.get_future()
@@ -91,7 +92,7 @@ def is_unchained(hook: CommHook) -> bool:
     return hook in UNCHAINED_HOOKS or getattr(hook, "issues_one_collective", False) is True
 
 
-def run_hook(hook: CommHook, state: Any, bucket: Bucket, after: Future | None) -> Future:
+def run_hook(hook: CommHook, state: Any, bucket: Bucket, after: Future[Any] | None) -> Future[Any]:
     """Start ``hook(state, bucket)`` once ``after``, the previous bucket's hook future, is done.
 
     [Note: one hook chain at a time]
@@ -110,7 +111,7 @@ def run_hook(hook: CommHook, state: Any, bucket: Bucket, after: Future | None) -
         done.wait()
     future = hook(state, bucket)
     if not isinstance(future, FUTURE_TYPES):  # collectives' futures are the C type, not Future
-        failed: Future = Future()
+        failed: Future[Any] = Future()
         failed.set_exception(
             TypeError(
                 f"Communication hook {getattr(hook, '__qualname__', hook)!r} returned "

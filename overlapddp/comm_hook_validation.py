@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -47,8 +48,9 @@ def check_comm_hook(hook: CommHook, process_group: dist.ProcessGroup) -> None:
 
 def builtin_hook(comm_hook_type: dist.BuiltinCommHookType) -> CommHook:
     """The Python hook with the same arithmetic as DDP's C++ built-in of that type."""
+    # torch types these hooks for its GradBucket; a Bucket offers the same methods.
     if comm_hook_type == dist.BuiltinCommHookType.ALLREDUCE:
-        return default_hooks.allreduce_hook
+        return cast(CommHook, default_hooks.allreduce_hook)
     if comm_hook_type == dist.BuiltinCommHookType.FP16_COMPRESS:
-        return default_hooks.fp16_compress_hook
+        return cast(CommHook, default_hooks.fp16_compress_hook)
     raise ValueError(f"Unknown built-in communication hook type {comm_hook_type!r}.")

@@ -39,7 +39,9 @@ try:  # the private hooks Dynamo offers DDP (checked on torch 2.14)
     from torch._dynamo.utils import detect_fake_mode, get_optimize_ddp_mode
     from torch.nn.parallel.distributed import DistributedDataParallel as _DDP
 
-    _MISSING: str | None = None if hasattr(_DDP, "_active_ddp_module") else "no DistributedDataParallel._active_ddp_module"
+    _MISSING: str | None = (
+        None if hasattr(_DDP, "_active_ddp_module") else "no DistributedDataParallel._active_ddp_module"
+    )
     _ORIGINAL_OPTIMIZER = _dynamo_distributed.DDPOptimizer
 except ImportError as error:  # pragma: no cover - depends on the torch version
     _MISSING = str(error)
@@ -96,14 +98,15 @@ class GraphSplitter:
             follow = self._reducer.has_rebuilt_buckets
             self._follow([list(members) for members in self._reducer.plan.buckets] if follow else None)
             self._saved.append((_DDP._active_ddp_module, _dynamo_distributed.DDPOptimizer))
-            _DDP._active_ddp_module = self
-            _dynamo_distributed.DDPOptimizer = self._optimizer_for
+            # Dynamo's hooks for DDP, handed stand-ins: it reads only bucket_bytes_cap and calls compile_fn.
+            _DDP._active_ddp_module = self  # type: ignore[assignment]
+            _dynamo_distributed.DDPOptimizer = self._optimizer_for  # type: ignore[misc, assignment]
 
     @torch.compiler.disable
     def __exit__(self, *exc: object) -> None:
         saved = self._saved.pop()
         if isinstance(saved, tuple):
-            _DDP._active_ddp_module, _dynamo_distributed.DDPOptimizer = saved
+            _DDP._active_ddp_module, _dynamo_distributed.DDPOptimizer = saved  # type: ignore[misc]
         elif isinstance(saved, int) and _frames_compiled() > saved:
             _warn_unsplit()
 
@@ -112,7 +115,11 @@ class GraphSplitter:
         if buckets == self._buckets:
             return
         self._buckets = buckets
-        stale = {id(g.code): g.code for g in self._compiled if buckets is None or cut_points(g.first_use, buckets) != g.cuts}
+        stale = {
+            id(g.code): g.code
+            for g in self._compiled
+            if buckets is None or cut_points(g.first_use, buckets) != g.cuts
+        }
         for code in stale.values():
             _reset_code(code)
         self.recompiles += len(stale)
@@ -121,7 +128,9 @@ class GraphSplitter:
     def _optimizer_for(self, bucket_bytes_cap: int, backend_compile_fn: Callable, **kwargs: Any) -> Any:
         """Stands in for ``DDPOptimizer`` while our forward runs; stock DDP nested in it keeps its own."""
         if _DDP._active_ddp_module is not self:
-            return _ORIGINAL_OPTIMIZER(bucket_bytes_cap=bucket_bytes_cap, backend_compile_fn=backend_compile_fn, **kwargs)
+            return _ORIGINAL_OPTIMIZER(
+                bucket_bytes_cap=bucket_bytes_cap, backend_compile_fn=backend_compile_fn, **kwargs
+            )
         return _SplittingCompiler(self, backend_compile_fn)
 
     def _record(self, code: Any, first_use: dict[int, int]) -> tuple[int, ...] | None:
@@ -158,10 +167,11 @@ class _SplittingCompiler:
         pieces = _with_outputs(nodes, cuts)
         if len(pieces) <= 1:
             return self._backend(gm, example_inputs, **configs)
-        piece_of = {}
+        piece_of: dict[fx.Node, int] = {}
         for k, (start, end) in enumerate(pieces):
             piece_of.update((nodes[p], k) for p in range(start, end))
-        split = fx.passes.split_module.split_module(gm, None, lambda node: piece_of[node])
+        # No root module: typed as required, but None is what torch's own DDPOptimizer passes.
+        split = fx.passes.split_module.split_module(gm, None, lambda node: piece_of[node])  # type: ignore[arg-type]
         propagate_dynamo_source(gm, split)
         propagate_metadata(gm, split)
         fake_mode = detect_fake_mode(example_inputs) or torch._subclasses.fake_tensor.FakeTensorMode()

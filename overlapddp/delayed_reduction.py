@@ -79,7 +79,7 @@ class DelayedReduction:
                 "choose as param_to_hook_all_reduce a parameter whose gradient is computed after all of theirs."
             )
         self._storage.copy_out(self._storage.buffer, [True] * len(self.params), as_view=False)
-        fence.consumed(FENCE_KEY, "copy to param.grad", [p.grad for p in self.params])
+        fence.consumed(FENCE_KEY, "copy to param.grad", [p.grad for p in self.params if p.grad is not None])
 
     def abandon(self) -> None:
         """Forget an unfinished iteration; the buffer a collective may still write is replaced."""

@@ -135,7 +135,7 @@ class ReduceInPrecision:
         self.casts.to_full()
 
 
-def reduce_in_precision_hook(state: ReduceInPrecision, bucket: Any) -> Future:
+def reduce_in_precision_hook(state: ReduceInPrecision, bucket: Any) -> Future[torch.Tensor]:
     """Cast the bucket to the reduce dtype, SUM-all-reduce it, divide by the world size in that dtype
     (DDP's ``_reducer_allreduce_and_upcast_hook``); the bucket's parameters return to full precision."""
     buffer = bucket.buffer() if state.reduce_dtype is None else bucket.buffer().to(state.reduce_dtype)
@@ -146,4 +146,5 @@ def reduce_in_precision_hook(state: ReduceInPrecision, bucket: Any) -> Future:
     return work.get_future().then(lambda done: done.value()[0].div_(world_size))
 
 
-reduce_in_precision_hook.issues_one_collective = True  # see comm_hook.is_unchained
+# A marker attribute on the function, read by comm_hook.is_unchained (mypy does not model function attributes).
+reduce_in_precision_hook.issues_one_collective = True  # type: ignore[attr-defined]

@@ -21,7 +21,7 @@ def verify_same_parameters(
     Stock DDP raises only on the mismatching rank and lets the others go on into a hang; here every
     rank sees every rank's description, so every rank raises the same message.
     """
-    mine = [(name, tuple(p.shape), tuple(p.stride()), str(p.dtype)) for name, p in zip(names, params)]
+    mine = [(name, tuple(p.shape), tuple(p.stride()), str(p.dtype)) for name, p in zip(names, params, strict=True)]
     everyone = gather_objects(mine, process_group, params[0].device)
     reference = everyone[0]
     for rank, theirs in enumerate(everyone[1:], start=1):
@@ -31,7 +31,7 @@ def verify_same_parameters(
                 f"parameters that require grad while rank 0 has {len(reference)}. Build the same model "
                 "on every rank before wrapping it."
             )
-        for index, (ours, other) in enumerate(zip(reference, theirs)):
+        for index, (ours, other) in enumerate(zip(reference, theirs, strict=True)):
             if ours != other:
                 raise RuntimeError(
                     f"OverlapDDP expects the same model on every rank, but parameter {index} differs: "
@@ -67,7 +67,7 @@ def broadcast_coalesced(
                 flat = torch.cat([t.reshape(-1) for t in chunk])
                 dist.broadcast(flat, src=global_src, group=process_group)
                 pieces = flat.split([t.numel() for t in chunk])
-                foreach_copy_(chunk, [piece.view_as(t) for piece, t in zip(pieces, chunk)])
+                foreach_copy_(chunk, [piece.view_as(t) for piece, t in zip(pieces, chunk, strict=True)])
 
 
 def _chunks(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -66,7 +66,8 @@ class OverlappedOptimizer:
         # Version counter of each gradient after the updates: a later in-place change (a user's
         # clip_grad_norm_ or GradScaler.unscale_) could not be honored and is reported at step().
         self._versions: list[tuple[torch.Tensor, int]] = []
-        optimizer.step = self._step  # type: ignore[method-assign]
+        # Optimizer.step is typed with overloads (closure or none); the overlapped step takes the closure only.
+        optimizer.step = self._step  # type: ignore[method-assign, assignment]
         reducer.after_bucket_reduced = self._bucket_reduced
         reducer.after_all_reduced = self._finish
 
@@ -102,11 +103,11 @@ class OverlappedOptimizer:
         groups = self.optimizer.param_groups
         everything = [group["params"] for group in groups]
         try:
-            for group, group_params in zip(groups, everything):
+            for group, group_params in zip(groups, everything, strict=True):
                 group["params"] = [p for p in group_params if id(p) in members]
             self._update()
         finally:
-            for group, group_params in zip(groups, everything):
+            for group, group_params in zip(groups, everything, strict=True):
                 group["params"] = group_params
 
     def _measure_bucket(self, params: list[torch.Tensor]) -> None:
@@ -115,7 +116,7 @@ class OverlappedOptimizer:
         if not grads:
             return
         with torch.no_grad():
-            for p, norm in zip(grads, foreach_norm([p.grad for p in grads], self.norm_type)):
+            for p, norm in zip(grads, foreach_norm([p.grad for p in grads], self.norm_type), strict=True):
                 self._norms[id(p)] = norm
 
     def _finish(self) -> None:

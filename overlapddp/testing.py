@@ -252,7 +252,10 @@ class SynchronousReference(nn.Module):
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.module = module
-        self.process_group = process_group or dist.group.WORLD
+        group = process_group or dist.group.WORLD
+        if group is None:
+            raise RuntimeError("SynchronousReference needs a process group: call dist.init_process_group(...) first.")
+        self.process_group: dist.ProcessGroup = group
         broadcast_coalesced([p.detach() for p in module.parameters()] + list(module.buffers()), 0, self.process_group)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -262,11 +265,11 @@ class SynchronousReference(nn.Module):
 
     def reduce_gradients(self) -> None:
         """Average every gradient across ranks and wait for the result."""
-        params = [p for p in self.module.parameters() if p.grad is not None]
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         scale = 1.0 / self.process_group.size()
-        flat = torch.cat([torch.mul(p.grad, scale).reshape(-1) for p in params])
+        flat = torch.cat([torch.mul(g, scale).reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.process_group)
         offset = 0
-        for p in params:
-            p.grad.copy_(flat.narrow(0, offset, p.numel()).view_as(p.grad))
-            offset += p.numel()
+        for g in grads:
+            g.copy_(flat.narrow(0, offset, g.numel()).view_as(g))
+            offset += g.numel()

@@ -60,7 +60,7 @@ def summarize(log: FenceLog) -> list[IterationSummary]:
     summaries = []
     for iteration, spans in sorted(by_iteration.items()):
         completed = [s.completed for s in spans if s.completed is not None]
-        ready = [s for s in spans if s.ready is not None]
+        ready = [(s.ready, s.bucket) for s in spans if s.ready is not None]
         if iteration not in ends or not completed or not ready:
             continue
         last_completed = max(completed)
@@ -70,7 +70,7 @@ def summarize(log: FenceLog) -> list[IterationSummary]:
                 ends[iteration],
                 last_completed,
                 max(0.0, last_completed - ends[iteration]),
-                max(ready, key=lambda s: s.ready).bucket,
+                max(ready, key=lambda pair: pair[0])[1],
             )
         )
     return summaries

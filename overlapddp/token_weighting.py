@@ -37,7 +37,7 @@ class TokenCount:
         self.local = 0
         # CPU: future of the count's all-reduce, produced by ``launch`` (end of forward), waited
         # by ``total`` (first bucket fill during backward).
-        self._future: Future | None = None
+        self._future: Future[list[torch.Tensor]] | None = None
         # CUDA: the reduced count in host memory, written by a copy on ``_stream``, and the event
         # recorded after that copy; ``total`` waits on the event, then reads the host copy.
         self._on_host: torch.Tensor | None = None
@@ -66,15 +66,15 @@ class TokenCount:
         self.local = 0
 
     def total(self, rank: int) -> float:
-        if self._future is None and self._copied is None:
-            raise RuntimeError("The token count was not launched for this backward; call count_tokens before forward.")
-        if self._copied is not None:
+        if self._copied is not None and self._on_host is not None:
             copied, self._copied = self._copied, None
             copied.synchronize()
             total = float(self._on_host[0])
-        else:
+        elif self._future is not None:
             future, self._future = self._future, None
             total = float(future.wait()[0].item())
+        else:
+            raise RuntimeError("The token count was not launched for this backward; call count_tokens before forward.")
         if total <= 0:
             raise RuntimeError(
                 f"Token-weighted reduction on rank {rank}: no rank counted any tokens for this backward; "

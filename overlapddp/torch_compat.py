@@ -43,7 +43,7 @@ FUTURE_TYPES: tuple[type, ...] = (getattr(torch._C, "Future", torch.futures.Futu
 def _each(method: str) -> Callable[..., None]:
     def apply(tensors: Sequence[torch.Tensor], other: Any) -> None:
         others = other if isinstance(other, (list, tuple)) else [other] * len(tensors)
-        for tensor, value in zip(tensors, others):
+        for tensor, value in zip(tensors, others, strict=True):
             getattr(tensor, method)(value)
 
     return apply
@@ -106,5 +106,6 @@ def let_dcp_unwrap(wrapper_type: type) -> bool:
         return False
     types = recognized if isinstance(recognized, tuple) else (recognized,)
     if wrapper_type not in types:
-        dcp_state_dict.DDP = (*types, wrapper_type)
+        # dcp checks isinstance(model, DDP); a tuple there widens the check (torch types it as the class).
+        dcp_state_dict.DDP = (*types, wrapper_type)  # type: ignore[misc, assignment]
     return True

@@ -45,6 +45,7 @@ from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
 from tests.parity import Outcome, Scenario, outcomes_by_scenario, run_scenario
 
 TINY = 0.001  # ~1 KiB bucket caps: after the rebuild, a bucket per parameter or two
+BUCKET_VIEW = (("gradient_as_bucket_view", True),)
 
 SCENARIOS = [
     Scenario("mlp", "sgd", None, hook="allreduce"),
@@ -67,6 +68,11 @@ SCENARIOS = [
     Scenario("cnn_bn", "sgd", TINY, accumulate=2, hook="powerSGD/sync"),
     Scenario("mlp", "sgd", None, hook="batched_powerSGD"),
     Scenario("transformer", "sgd", TINY, hook="batched_powerSGD/sync"),
+    # gradient_as_bucket_view with the gradients kept (zero_grad(set_to_none=False)): from the second
+    # step backward accumulates into the bucket views, which a hook (not the reducer) must average;
+    # the fp16 wrapper hands back another tensor than the bucket's (its set_buffer), copied into the views.
+    Scenario("cnn_bn", "sgd", TINY, ddp_kwargs=BUCKET_VIEW, set_to_none=False, hook="allreduce"),
+    Scenario("mlp", "sgd", None, ddp_kwargs=BUCKET_VIEW, set_to_none=False, hook="fp16_wrapper(allreduce)"),
 ]
 
 WORLD_SIZES = (2, 3, 4)

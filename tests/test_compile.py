@@ -160,8 +160,8 @@ class SlowStem(nn.Module):
         return self.head(torch.relu(self.body(x)))
 
 
-def first_launch_fractions(model: nn.Module, ours: OverlapDDP, steps: int = 5) -> list[float]:
-    """Per iteration after the rebuild: when the first bucket launched, as a fraction of backward."""
+def launch_fractions(model: nn.Module, ours: OverlapDDP, steps: int = 5) -> list[dict[int, float]]:
+    """Per iteration after the rebuild: when each bucket launched, as a fraction of backward."""
     log = ours.record_fences()
     windows = {}
     for step in range(steps):
@@ -170,11 +170,17 @@ def first_launch_fractions(model: nn.Module, ours: OverlapDDP, steps: int = 5) -
         start = time.perf_counter()
         loss.backward()
         windows[step] = (start, time.perf_counter())
-    first = {}
+    launched: dict[int, dict[int, float]] = {}
     for span in bucket_spans(log):
-        if span.launched is not None:
-            first[span.iteration] = min(first.get(span.iteration, span.launched), span.launched)
-    return [(first[it] - windows[it][0]) / (windows[it][1] - windows[it][0]) for it in range(2, steps)]
+        if span.launched is not None and span.iteration in windows:
+            start, end = windows[span.iteration]
+            launched.setdefault(span.iteration, {})[span.bucket] = (span.launched - start) / (end - start)
+    return [launched[it] for it in range(2, steps)]
+
+
+def first_launch_fractions(model: nn.Module, ours: OverlapDDP, steps: int = 5) -> list[float]:
+    """Per iteration after the rebuild: when the first bucket launched, as a fraction of backward."""
+    return [min(per_bucket.values()) for per_bucket in launch_fractions(model, ours, steps)]
 
 
 def _slow_stem_model(outer: bool, split: bool, backend: str = "aot_eager") -> tuple[nn.Module, OverlapDDP]:
@@ -189,11 +195,20 @@ def _slow_stem_model(outer: bool, split: bool, backend: str = "aot_eager") -> tu
 
 
 @pytest.mark.parametrize("outer", [False, True], ids=FORMS.values())
-def test_first_bucket_launches_in_the_first_half_of_a_compiled_backward(one_rank, outer):
-    # The stem's backward sleeps SLOW_S at the end of backward; the head's bucket must launch
-    # before it, well before backward's halfway point.
-    fractions = first_launch_fractions(*_slow_stem_model(outer, split=True))
-    assert max(fractions) < 0.5, fractions
+def test_every_bucket_but_the_stems_launches_in_the_first_half_of_a_compiled_backward(one_rank, outer):
+    # The stem's backward sleeps SLOW_S at the end of backward; every bucket of the head and body must
+    # launch before it, well before backward's halfway point (not only the first: a lost cut merges
+    # a later bucket's piece into the stem's, and that bucket then launches at the end).
+    model, ours = _slow_stem_model(outer, split=True)
+    fractions = launch_fractions(model, ours)
+    stem = {i for i, (name, _) in enumerate(SlowStem().named_parameters()) if name.startswith("stem.")}
+    before_stem = [b for b, members in enumerate(ours.bucket_indices()) if not stem & set(members)]
+    assert len(before_stem) >= 2, ours.bucket_indices()  # a body bucket, not only the head's
+    assert max(min(f.values()) for f in fractions) < 0.5, fractions  # the first launch, every iteration
+    # Each bucket's median over the iterations: one iteration slowed by a loaded machine does not
+    # decide; a lost cut puts the bucket at the end of every one (0.98 and more).
+    medians = {b: statistics.median(f[b] for f in fractions) for b in before_stem}
+    assert all(m < 0.5 for m in medians.values()), (ours.bucket_indices(), fractions)
 
 
 @pytest.mark.parametrize("outer", [False, True], ids=FORMS.values())

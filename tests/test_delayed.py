@@ -4,7 +4,9 @@ At world size 2 every averaging order gives the same bits (a two-term sum commut
 is exact), so OverlapDDP with the delay must be bit-equal to stock DDP *without* it, every step, with
 Adam's ``step()`` right after ``backward()``. Stock DDP *with* the delay never waits for the delayed
 work; the same comparison shows its race. A planted bug that skips our wait (with one rank's launch
-late, so the collective is surely in flight) must fail the comparison every step.
+late, so the collective is surely in flight) must fail the comparison every step. At world size 3 a
+true division by 3 and a multiply by 1/3 round differently, so there the reference is stock DDP with the
+same delay, given time to finish its unwaited all-reduce.
 """
 
 from __future__ import annotations
@@ -72,10 +74,12 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, step: int, a
             nn.functional.mse_loss(model(x), y).backward()
 
 
-def _against_ddp_without_delay(rank: int, make, accumulate: int = 1, settle_s: float = 0.0) -> list[list[str]]:
-    """Per step: what differs from DDP without the delay, after backward and after Adam's step
-    (``settle_s``: a pause between backward and step, the workaround for stock DDP's race)."""
-    reference = DistributedDataParallel(Net())
+def _against_ddp_without_delay(
+    rank: int, make, accumulate: int = 1, settle_s: float = 0.0, make_reference=None
+) -> list[list[str]]:
+    """Per step: what differs from DDP without the delay (or ``make_reference()``), after backward and
+    after Adam's step (``settle_s``: a pause between backward and step, the workaround for stock DDP's race)."""
+    reference = DistributedDataParallel(Net()) if make_reference is None else make_reference()
     candidate = make()
     optimizers = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in (reference, candidate)]
     per_step = []
@@ -193,6 +197,24 @@ def _all(rank: int, world_size: int) -> dict[str, object]:
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, object]]:
     return run_ranks(2, _all)
+
+
+def _against_stock_delay_at_three(rank: int, world_size: int) -> list[list[str]]:
+    """At world size 3 the delayed buffer's true division by 3 differs from a multiply by 1/3 (what
+    DDP's buckets do), so the reference is stock DDP with the same delay, given time to finish."""
+    def make(wrapper):
+        net = Net()
+        return wrapper(net, **_delayed(net))
+
+    return _against_ddp_without_delay(
+        rank, functools.partial(make, OverlapDDP), settle_s=SETTLE_S,
+        make_reference=functools.partial(make, DistributedDataParallel),
+    )
+
+
+def test_bit_equal_to_stock_ddp_with_the_delay_at_world_size_3():
+    for rank, per_step in enumerate(run_ranks(3, _against_stock_delay_at_three)):
+        assert per_step == [[]] * STEPS, f"rank {rank}: {per_step}"
 
 
 def test_bit_equal_to_ddp_without_the_delay_every_step_with_the_step_right_after_backward(results):

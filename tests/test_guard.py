@@ -116,6 +116,16 @@ def _guard_checks(rank: int, world_size: int) -> dict[str, object]:
     clipped = OverlapDDP(models.build("mlp"), bucket_cap_mb=0.001)
     clipped.attach_optimizer(torch.optim.SGD(clipped.parameters(), lr=0.1))
     facts["clip_during_backward"] = _write_inside_backward(clipped, lambda: _clip(clipped), rank)
+    # zero_grad(set_to_none=False) zeroes in place; with gradient_as_bucket_view the gradients are the
+    # buffers being reduced, so unguarded it would go through silently.
+    viewed = OverlapDDP(models.build("mlp"), bucket_cap_mb=0.001, gradient_as_bucket_view=True)
+    viewed_opt = torch.optim.SGD(viewed.parameters(), lr=0.1)
+    viewed.attach_optimizer(viewed_opt)
+    _write_inside_backward(viewed, lambda: None, rank)  # the gradients are now the bucket views
+    viewed_opt.step()
+    facts["zero_grad_in_place_during_backward"] = _write_inside_backward(
+        viewed, lambda: viewed_opt.zero_grad(set_to_none=False), rank
+    )
     unguarded = OverlapDDP(models.build("mlp"), bucket_cap_mb=0.001)
     facts["unguarded_clip_during_backward"] = _write_inside_backward(unguarded, lambda: _clip(unguarded), rank)
     facts["unguarded_norm_after_clip"] = _total_norm(unguarded)
@@ -151,6 +161,7 @@ def test_guarded_loop_with_grad_scaler_and_clipping_is_bit_equal_to_ddp():
         ("step_during_backward", "are still being reduced"),
         ("zero_grad_during_backward", "optimizer.zero_grad() was called while buckets [0]"),
         ("unscale_during_backward", "GradScaler.unscale_() was called while buckets"),
+        ("zero_grad_in_place_during_backward", "optimizer.zero_grad() was called while buckets"),
         ("clip_during_backward", "were changed on rank"),
     ],
 )

@@ -11,25 +11,33 @@ from torch.nn.parallel import DistributedDataParallel
 from overlapddp import OverlapDDP
 from tests import faults, models
 from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
+from tests.parity import skipping_sync
 
 BASE_STEPS = 3
+# (model, divide_by_initial_world_size, wrapper arguments, micro-steps per step: all but the last under no_sync)
 CASES = [
-    ("cnn_bn", True, ()),
-    ("cnn_bn", False, ()),
-    ("mlp", False, (("bucket_cap_mb", 0.001),)),
-    ("branchy", True, (("find_unused_parameters", True),)),
+    ("cnn_bn", True, (), 1),
+    ("cnn_bn", False, (), 1),
+    ("mlp", False, (("bucket_cap_mb", 0.001),), 1),
+    ("branchy", True, (("find_unused_parameters", True),), 1),
+    # A joined rank follows the others' no_sync: it shadows only the synchronized backwards.
+    ("mlp", True, (("bucket_cap_mb", 0.001),), 3),
 ]
 
 
-def _train_uneven(wrapper_cls, rank: int, model: str, divide_by_initial: bool, kwargs: dict) -> list[list[torch.Tensor]]:
+def _train_uneven(
+    wrapper_cls, rank: int, model: str, divide_by_initial: bool, kwargs: dict, accumulate: int
+) -> list[list[torch.Tensor]]:
     """Rank r trains BASE_STEPS + r steps; returns the state after each of its steps and at the end."""
     wrapper = wrapper_cls(models.build(model), **kwargs)
     opt = torch.optim.SGD(wrapper.parameters(), lr=0.1, momentum=0.9)
     snapshots = []
     with wrapper.join(divide_by_initial_world_size=divide_by_initial):
         for step in range(BASE_STEPS + rank):
-            inputs, target = models.batch(model, rank, step)
-            models.loss_of(wrapper(inputs), target).backward()
+            for micro in range(accumulate):
+                inputs, target = models.batch(model, rank, step * accumulate + micro)
+                with skipping_sync(wrapper, "no_sync", micro < accumulate - 1):
+                    models.loss_of(wrapper(inputs), target).backward()
             opt.step()
             opt.zero_grad()
             snapshots.append([t.clone() for t in wrapper.state_dict().values()])
@@ -39,12 +47,12 @@ def _train_uneven(wrapper_cls, rank: int, model: str, divide_by_initial: bool, k
 
 def _compare(rank: int, world_size: int, cases=CASES, fault: str | None = None) -> dict[str, list[bool]]:
     results = {}
-    for model, divide_by_initial, extra in cases:
+    for model, divide_by_initial, extra, accumulate in cases:
         kwargs = dict(extra)
-        ddp = _train_uneven(DistributedDataParallel, rank, model, divide_by_initial, kwargs)
+        ddp = _train_uneven(DistributedDataParallel, rank, model, divide_by_initial, kwargs, accumulate)
         with faults.injected(fault):
-            ours = _train_uneven(OverlapDDP, rank, model, divide_by_initial, kwargs)
-        key = f"{model}-divide_by_initial={divide_by_initial}-{extra}"
+            ours = _train_uneven(OverlapDDP, rank, model, divide_by_initial, kwargs, accumulate)
+        key = f"{model}-divide_by_initial={divide_by_initial}-{extra}-accumulate={accumulate}"
         results[key] = [all(torch.equal(a, b) for a, b in zip(x, y)) for x, y in zip(ddp, ours)]
     return results
 
@@ -63,7 +71,7 @@ def test_join_with_uneven_inputs_is_bit_equal_to_ddp_every_step_and_after(world_
 
 
 def test_join_comparison_catches_averaging_over_the_wrong_number_of_ranks():
-    results = run_ranks(3, _compare, [("mlp", False, ())], "join_ignores_remaining_ranks")
+    results = run_ranks(3, _compare, [("mlp", False, (), 1)], "join_ignores_remaining_ranks")
     assert not all(all(equal) for r in results for equal in r.values())
 
 

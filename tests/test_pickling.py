@@ -222,3 +222,19 @@ def test_a_copy_of_a_wrapper_has_its_own_graph_splitter():
         twin = copy.deepcopy(model)
         assert twin._graph_splitter is not model._graph_splitter
         assert twin._graph_splitter._reducer is twin._reducer
+
+
+@pytest.mark.parametrize("copier", COPIERS)
+def test_a_copy_keeps_require_backward_grad_sync_as_ddp_copies_it(copier):
+    # A copy taken inside a gradient-accumulation loop (the flag assigned False, as nanoGPT does)
+    # must not start reducing: DDP's copy keeps the flag, and so does ours.
+    with _one_rank_group():
+        copies = []
+        for wrapper in (DistributedDataParallel, OverlapDDP):
+            model = wrapper(models.build("mlp"))
+            model.require_backward_grad_sync = False
+            copies.append(COPIERS[copier](model))
+        assert [c.require_backward_grad_sync for c in copies] == [False, False]
+        inputs, target = models.batch("mlp", 0, 0)
+        models.loss_of(copies[1](inputs), target).backward()
+        assert copies[1]._reducer.reductions == 0  # the backward stayed local

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
+from overlapddp.torch_compat import ddp_accepts
 from tests import models
 from tests.multiprocess import run_ranks
 
@@ -68,6 +69,15 @@ def _contract_checks(rank: int, world_size: int) -> dict[str, object]:
         OverlapDDP(kept, broadcast_buffers=False)
     facts["buffer_kept_without_broadcast"] = kept[1].running_mean[0].item()
 
+    # forward_sync_buffers=False turns off the broadcast at forward only: construction still takes
+    # rank 0's buffers, in DDP as here.
+    for wrapper in (OverlapDDP, DistributedDataParallel) if ddp_accepts("forward_sync_buffers") else (OverlapDDP,):
+        torch.manual_seed(rank)
+        unsynced = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+        unsynced[1].running_mean.fill_(float(rank))
+        wrapper(unsynced, forward_sync_buffers=False)
+        facts[f"buffer_at_init_without_forward_sync/{wrapper.__name__}"] = unsynced[1].running_mean[0].item()
+
     # state_dict: the same keys as DDP, and checkpoints load both ways.
     ddp = DistributedDataParallel(models.build("cnn_bn"))
     ours = OverlapDDP(models.build("cnn_bn"))
@@ -119,6 +129,12 @@ def test_init_sync_broadcasts_rank0_parameters_and_buffers():
     for rank, facts in enumerate(contract_facts()):
         assert facts["params_synced"], rank
         assert facts["buffer_after_init"] == 0.0, rank
+
+
+def test_forward_sync_buffers_false_still_broadcasts_buffers_at_init_as_ddp_does():
+    for rank, facts in enumerate(contract_facts()):
+        assert facts["buffer_at_init_without_forward_sync/OverlapDDP"] == 0.0, rank
+        assert facts.get("buffer_at_init_without_forward_sync/DistributedDataParallel", 0.0) == 0.0, rank
 
 
 def test_broadcast_buffers_false_keeps_local_buffers_at_init():

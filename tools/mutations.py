@@ -43,6 +43,8 @@ GUARD = "tests/test_guard.py::test_guard_raises_a_clear_error_naming_the_problem
 OVERLAP = "tests/test_optimizer_overlap.py"
 HANDED_OVER = "tests/test_race.py::test_each_collective_is_handed_the_complete_bucket_as_in_ddp"
 JOIN_WS2 = "tests/test_join.py::test_join_with_uneven_inputs_is_bit_equal_to_ddp_every_step_and_after[2]"
+STEM_FIRST = "tests/test_compile.py::test_every_bucket_but_the_stems_launches_in_the_first_half_of_a_compiled_backward"
+HOOK_VALUES = "tests/test_comm_hooks.py::test_hook_parameters_and_buffers_equal_ddp_after_every_step"
 
 
 @dataclass(frozen=True)
@@ -253,6 +255,72 @@ MUTATIONS = (
         "        return self.max_grad_norm is not None or self._unscaler is not None",
         "        return self.max_grad_norm is not None",
         (f"{OVERLAP}::test_overlapped_loss_scaling_is_bit_equal_to_unscale_clip_then_scaler_step[None]",),
+    ),
+    Mutation(
+        "init_buffers_skipped_without_forward_sync",
+        "forward_sync_buffers=False also skips the buffer broadcast at construction (DDP still does it)",
+        "overlapddp/wrapper.py",
+        "        return forward_sync_buffers, True\n",
+        "        return forward_sync_buffers, forward_sync_buffers\n",
+        ("tests/test_wrapper.py::test_forward_sync_buffers_false_still_broadcasts_buffers_at_init_as_ddp_does",),
+    ),
+    Mutation(
+        "copy_resumes_grad_sync",
+        "a copy or pickle of a wrapper with require_backward_grad_sync=False comes back reducing",
+        "overlapddp/pickling.py",
+        '    state["_comm_hooks"] = []\n',
+        '    state["_comm_hooks"] = []\n    state["require_backward_grad_sync"] = True\n',
+        ("tests/test_pickling.py::test_a_copy_keeps_require_backward_grad_sync_as_ddp_copies_it[deepcopy]",),
+    ),
+    Mutation(
+        "guard_in_place_zero_grad_unchecked",
+        "zero_grad(set_to_none=False) during backward zeroes the buckets being reduced (gradient_as_bucket_view)",
+        "overlapddp/optimizer_guard.py",
+        "    def _zero_grad(self, *args: Any, **kwargs: Any) -> Any:\n        busy = self._reducer.in_flight()\n",
+        "    def _zero_grad(self, *args: Any, **kwargs: Any) -> Any:\n"
+        '        busy = self._reducer.in_flight() if kwargs.get("set_to_none", True) else []\n',
+        (f"{GUARD}[zero_grad_in_place_during_backward-optimizer.zero_grad() was called while buckets]",),
+    ),
+    Mutation(
+        "delayed_multiplies_by_reciprocal",
+        "the delayed all-reduce multiplies by 1/world_size instead of DDP's true division (differs at 3)",
+        "overlapddp/delayed_reduction.py",
+        "self._storage.copy_in([p.grad for p in self.params], None, self._process_group.size())",
+        "self._storage.copy_in([p.grad for p in self.params], 1.0 / self._process_group.size(), None)",
+        ("tests/test_delayed.py::test_bit_equal_to_stock_ddp_with_the_delay_at_world_size_3",),
+    ),
+    Mutation(
+        "joined_rank_ignores_no_sync",
+        "a joined rank shadows every backward, also the others' no_sync ones: the collectives mismatch",
+        "overlapddp/join.py",
+        "        if should_sync:\n            reducer.shadow_backward()\n",
+        "        reducer.shadow_backward()\n",
+        (JOIN_WS2,),
+    ),
+    Mutation(
+        "compile_cut_dropped",
+        "the compile splitter drops one cut: a later bucket launches only at the end of the compiled backward",
+        "overlapddp/compile_split.py",
+        "        pieces = _with_outputs(nodes, cuts)\n",
+        "        pieces = _with_outputs(nodes, cuts[1:])\n",
+        (f"{STEM_FIRST}[OverlapDDP(compile(model))]",),
+    ),
+    Mutation(
+        "hook_aliased_grads_divided",
+        "gradient_as_bucket_view with a comm hook: kept gradients are divided by the reducer and the hook",
+        "overlapddp/reducer.py",
+        "            alias_divide_by=self._divide_by if no_hook and not batched else None,\n",
+        "            alias_divide_by=self._divide_by if not batched else None,\n",
+        (f"{HOOK_VALUES}[cnn_bn-sgd-cap0.001-gradient_as_bucket_view=True-hook=allreduce-keep_grads-2]",),
+    ),
+    Mutation(
+        "hook_result_not_copied_into_views",
+        "gradient_as_bucket_view: a hook's result that is another tensor (fp16 compression) never reaches the views",
+        "overlapddp/bucket_storage.py",
+        "                if result is not self.buffer and chosen:\n"
+        "                    foreach_copy_([self.views[i] for i in chosen], reduced)\n",
+        "",
+        (f"{HOOK_VALUES}[mlp-sgd-default-gradient_as_bucket_view=True-hook=fp16_wrapper(allreduce)-keep_grads-2]",),
     ),
 )
 

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator
 
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, DynamoBackend
+import torch
 from torch import nn
 
 from overlapddp.integrations.backward_sync import arm_backward_sync
@@ -54,7 +55,7 @@ def _builds_ddp(accelerator: Accelerator, model: nn.Module, evaluation_mode: boo
     return (accelerator.multi_device and not tensor_parallel) or multi_cpu
 
 
-def _device_ids(accelerator: Accelerator) -> tuple[list[int] | None, int | None]:
+def _device_ids(accelerator: Accelerator) -> tuple[list[int | torch.device] | None, int | None]:
     """The ``device_ids`` and ``output_device`` Accelerate gives DDP."""
     if accelerator.distributed_type == DistributedType.MULTI_CPU:
         return None, None
@@ -86,7 +87,8 @@ def _prepare_model(accelerator: Accelerator, prepare_model: Callable[..., nn.Mod
         wrapper = OverlapDDP(model, device_ids=device_ids, output_device=output_device, **kwargs)
         if handler is not None:
             handler.register_comm_hook(wrapper)
-        wrapper._is_accelerate_prepared = True
+        # nn.Module.__setattr__ is typed for tensors and modules; Accelerate reads this flag.
+        wrapper._is_accelerate_prepared = True  # type: ignore[assignment]
         return wrapper
 
     return prepare_overlapddp

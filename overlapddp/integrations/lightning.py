@@ -48,10 +48,12 @@ class OverlapDDPStrategy(DDPStrategy):
         super().__init__(*args, **kwargs)
         self._forward_redirection = _OverlapDDPForwardRedirection()
 
-    def _setup_model(self, model: nn.Module) -> OverlapDDP:
+    # DDPStrategy types its wrapper as DistributedDataParallel; OverlapDDP is its drop-in, not a subclass.
+    def _setup_model(self, model: nn.Module) -> OverlapDDP:  # type: ignore[override]
         if isinstance(model, LightningModule) and not model.automatic_optimization:
             _check_manual_optimization(self._ddp_kwargs)
-        device_ids = self.determine_ddp_device_ids()
+        ids = self.determine_ddp_device_ids()
+        device_ids: list[int | torch.device] | None = None if ids is None else list(ids)
         # As DDPStrategy does: build the wrapper on a side stream on CUDA.
         ctx = torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext()
         with ctx:
@@ -60,7 +62,7 @@ class OverlapDDPStrategy(DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         if self._ddp_comm_hook is not None:
             _register_ddp_comm_hook(
-                model=self.model,
+                model=self.model,  # type: ignore[arg-type]  # an OverlapDDP: it registers hooks as DDP does
                 ddp_comm_state=self._ddp_comm_state,
                 ddp_comm_hook=self._ddp_comm_hook,
                 ddp_comm_wrapper=self._ddp_comm_wrapper,
@@ -68,8 +70,8 @@ class OverlapDDPStrategy(DDPStrategy):
 
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         """Manual optimization: the forward did not arm the reduction; arm it from the loss, as DDP's does."""
-        model = self.model
-        if not isinstance(model, OverlapDDP) or self.lightning_module.automatic_optimization:
+        model, module = self.model, self.lightning_module
+        if not isinstance(model, OverlapDDP) or module is None or module.automatic_optimization:
             return
         if torch.is_grad_enabled() and model.require_backward_grad_sync:
             arm_backward_sync(model, [closure_loss], caller=f"{type(self).__name__}.pre_backward", rebuild=True)
