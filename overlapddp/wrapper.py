@@ -25,7 +25,7 @@ from overlapddp.comm_hook import CommHook
 from overlapddp.comm_hook_validation import builtin_hook, check_comm_hook
 from overlapddp.compile_split import GraphSplitter, in_compiled_autograd
 from overlapddp.delayed_reduction import DelayedReduction
-from overlapddp.fence import FenceLog, fence_for
+from overlapddp.fence import Fence, FenceLog, fence_for
 from overlapddp.join import OverlapJoinHook, announce_backward_sync, common_rank
 from overlapddp.mixed_precision import MixedPrecision, ParameterCasts, ReduceInPrecision, reduce_in_precision_hook
 from overlapddp.module_sync import broadcast_coalesced, verify_same_parameters
@@ -198,9 +198,8 @@ class OverlapDDP(nn.Module, Joinable):
                 )
         precision.cast_buffers(self.modules_buffers)
         named = self.module.named_parameters()
-        reducer = weakref.ref(self._reducer)  # the fence it holds now (a test may replace it)
         casts = ParameterCasts([p for n, p in named if n not in self.parameters_to_ignore], precision.param_dtype,
-                               lambda: reducer().fence)
+                               _fence_of(weakref.ref(self._reducer)))
         self._reducer.set_comm_hook(ReduceInPrecision(precision, casts, self.process_group), reduce_in_precision_hook)
         self._mixed_precision = (precision, casts)
 
@@ -595,6 +594,16 @@ def _resolve_buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: b
         return forward_sync_buffers, True
     effective = True if broadcast_buffers is None else broadcast_buffers
     return effective, effective
+
+
+def _fence_of(reducer_ref: weakref.ReferenceType[Reducer]) -> Callable[[], Fence]:
+    """The fence the reducer holds when called (a test may replace it), without keeping the reducer alive."""
+
+    def fence() -> Fence:
+        reducer = reducer_ref()
+        return reducer.fence if reducer is not None else Fence()
+
+    return fence
 
 
 def _register_ready_hooks(reducer: Reducer, params: list[torch.Tensor]) -> list[Any]:

@@ -268,17 +268,16 @@ class AutogradModel:
             self.frames[-1].leaves.append(stream)
             self.sim._stack.append(stream)
 
-        def leave(_: torch.Tensor) -> None:
+        def leave() -> None:
             left[0] -= 1
             if left[0] == 0:
                 self.sim._stack.pop()
 
         output.register_hook(enter)
-        if not self._leaving:
-            for param in params:
-                param.register_post_accumulate_grad_hook(lambda p: self._leaving[id(p)]())
         for param in params:
-            self._leaving[id(param)] = lambda: leave(param)
+            if id(param) not in self._leaving:  # one hook per parameter, calling this forward's ``leave``
+                param.register_post_accumulate_grad_hook(lambda p: self._leaving[id(p)]())
+            self._leaving[id(param)] = leave
 
 
 _REAL_IS_AVAILABLE = torch.cuda.is_available

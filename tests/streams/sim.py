@@ -270,9 +270,12 @@ class Sim:
         for use in record.used.values():
             if any(self._after(guard, use) for guard in guards):
                 continue
-            where = f"reusable on {record.alloc}" if not self.frees_on_current else f"by {self.current.name}"
-            self._find(f"{record.label} was freed ({where}) while {use.what} on {use.stream} may still use it"
-                       + ("" if self.frees_on_current else f" (no record_stream for {use.stream} or a stream after it)"))
+            if self.frees_on_current:
+                where, missing = f"by {self.current.name}", ""
+            else:
+                where = f"reusable on {record.alloc}"
+                missing = f" (no record_stream for {use.stream} or a stream after it)"
+            self._find(f"{record.label} was freed ({where}) while {use.what} on {use.stream} may still use it{missing}")
 
     def _find(self, message: str) -> None:
         text = f"{self.context}: {message}" if self.context else message
@@ -333,7 +336,7 @@ class Accesses(TorchDispatchMode):
         for tensor in writes:
             self.sim.access(tensor, True, name)
         results = out if isinstance(out, (list, tuple)) else (out,)
-        for ret, result in zip(schema.returns, results):
+        for ret, result in zip(schema.returns, results, strict=False):
             if ret.alias_info is None:
                 for tensor in _tensors(result):
                     self.sim.access(tensor, True, name, allocates=True)
