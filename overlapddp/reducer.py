@@ -613,6 +613,7 @@ class Reducer:
         dropped = self._fence.abandon()
         for index in dropped:
             if index >= 0:  # the delayed all-reduce (a negative key) renews its own buffer
+                self._storages[index].drop_aliased_grads()
                 self._storages[index] = self._new_storage(index, self.plan.buckets[index])
         if self.delayed is not None:
             self.delayed.abandon()

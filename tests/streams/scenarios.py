@@ -564,6 +564,44 @@ def _gloo_sparse(sim: Sim) -> None:
     train(sim, model, opt)
 
 
+class _SparseBranchy(nn.Module):
+    """Sparse gradients, and a branch whose bucket (after the embedding's) an iteration can leave unused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.extra = nn.Linear(4, 4)
+        self.embedding = nn.Embedding(10, 4, sparse=True)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
+        h = self.embedding((x.abs() * 3).long().clamp(max=9)).sum(1)
+        return self.head(h + self.extra(x) if use_extra else h)
+
+
+def _accumulating_after_an_abandoned_reduction(sim: Sim, model: nn.Module) -> None:
+    """Iteration 1 leaves the branch unused, so iteration 2's forward abandons it with buckets in flight;
+    the user keeps accumulating gradients (no zero_grad) into what those collectives may still write."""
+    for i in range(4):
+        sim.context = f"iteration {i}"
+        try:
+            model(batch(i), use_extra=i != 1).square().sum().backward()
+        except RuntimeError as error:
+            if "finished reduction" not in str(error):
+                raise
+    done(sim)
+
+
+@scenario("gloo: sparse gradients accumulated after an abandoned reduction", backend="gloo")
+def _gloo_sparse_abandoned(sim: Sim) -> None:
+    _accumulating_after_an_abandoned_reduction(sim, wrap(sim, _SparseBranchy(), on_cuda=False))
+
+
+@scenario("gradient_as_bucket_view accumulated after an abandoned reduction")
+def _as_view_abandoned(sim: Sim) -> None:
+    _accumulating_after_an_abandoned_reduction(sim, wrap(sim, _Branchy(), gradient_as_bucket_view=True))
+
+
 @scenario("gloo: sparse gradients, fence log", backend="gloo")
 def _gloo_sparse_log(sim: Sim) -> None:
     model = wrap(sim, _Sparse(), on_cuda=False)
