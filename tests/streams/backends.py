@@ -75,9 +75,6 @@ class SimFuture(Future):
         with self._backend.sim.use(stream):
             callback(self)
 
-    def set_result(self, result: Any) -> None:
-        raise RuntimeError("a collective's future is completed by its backend")
-
 
 class SimWork:
     """A collective's ``Work`` under the model."""
@@ -89,9 +86,6 @@ class SimWork:
 
     def wait(self, timeout: Any = None) -> bool:
         self._backend.join(self._after, None)
-        return True
-
-    def is_completed(self) -> bool:
         return True
 
     def result(self) -> list[torch.Tensor]:

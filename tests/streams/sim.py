@@ -53,16 +53,8 @@ class SimStream:
     def wait_stream(self, other: "SimStream") -> None:
         self.sim.wait_stream(self, other)
 
-    def record_event(self, event: "SimEvent | None" = None) -> "SimEvent":
-        event = event or SimEvent(self.sim)
-        event.record(self)
-        return event
-
     def synchronize(self) -> None:
         self.sim.host_sees(self.clock)
-
-    def query(self) -> bool:
-        return True
 
     def __repr__(self) -> str:
         return self.name
@@ -86,9 +78,6 @@ class SimEvent:
     def synchronize(self) -> None:
         if self.clock is not None:
             self.sim.host_sees(self.clock)
-
-    def query(self) -> bool:
-        return True
 
     def elapsed_time(self, other: "SimEvent") -> float:
         return 1.0  # milliseconds; the model has no timing
@@ -215,11 +204,6 @@ class Sim:
             record = self.records[key] = StorageRecord(label, self.current.name)
             weakref.finalize(owner, self._freed, key, record)
         return record
-
-    def name(self, tensor: torch.Tensor, label: str) -> None:
-        """Give ``tensor``'s memory a readable name in findings."""
-        for key, owner, kind in self.parts(tensor):
-            self._record(key, owner, kind, "named").label = f"{label} ({kind})"
 
     def access(self, tensor: torch.Tensor, write: bool, what: str, stream: SimStream | None = None,
                allocates: bool = False, metadata: bool = False) -> None:
