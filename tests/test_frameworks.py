@@ -26,12 +26,13 @@ from tests.multiprocess import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "frameworks.md"
-FRAMEWORKS = ("lightning", "accelerate", "transformers")
+FRAMEWORKS = ("lightning", "fabric", "pytorch_lightning", "accelerate", "transformers")
+PACKAGES = {"fabric": "lightning"}  # the package each framework's scenarios import
 WORLD_SIZE = 2
 
 
-def _installed(name: str) -> bool:
-    return importlib.util.find_spec(name) is not None
+def _installed(framework: str) -> bool:
+    return importlib.util.find_spec(PACKAGES.get(framework, framework)) is not None
 
 
 def _as_if_torchrun(rank: int, world_size: int) -> None:
@@ -74,9 +75,27 @@ def _mlp() -> nn.Sequential:
 def _lightning(tmp: Path) -> dict[str, Any]:
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import DDPStrategy
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     from overlapddp.integrations.lightning import OverlapDDPStrategy
+
+    return _trainer(tmp, pl, DDPStrategy, OverlapDDPStrategy)
+
+
+def _pytorch_lightning(tmp: Path) -> dict[str, Any]:
+    """The standalone package: its own Trainer, DDPStrategy and registry, the same scenarios."""
+    import pytorch_lightning as pl
+    from pytorch_lightning.strategies import DDPStrategy
+
+    from overlapddp.integrations.pytorch_lightning import OverlapDDPStrategy
+
+    return _trainer(tmp / "pytorch_lightning", pl, DDPStrategy, OverlapDDPStrategy)
+
+
+def _trainer(tmp: Path, pl: Any, DDPStrategy: type, OverlapDDPStrategy: type) -> dict[str, Any]:
+    """A Lightning Trainer (``pl``: ``lightning.pytorch`` or ``pytorch_lightning``) with DDP and with OverlapDDP."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    tmp.mkdir(exist_ok=True)
 
     class Regressor(pl.LightningModule):
         """Automatic or manual optimization; manual runs two backward passes per forward, as a GAN does."""
@@ -164,6 +183,77 @@ def _lightning(tmp: Path) -> dict[str, Any]:
     fit(OverlapDDPStrategy(ddp_comm_hook=counting_hook, bucket_cap_mb=0.001), steps=2)
     refused = _error_of(lambda: fit(OverlapDDPStrategy(static_graph=True), steps=1, manual=True))
     return {**results, "comm_hook_buckets": sorted(set(hook_calls)), "manual_static_graph": refused}
+
+
+# -- Lightning Fabric ----------------------------------------------------------------------------
+
+
+def _grads(module: nn.Module) -> np.ndarray:
+    return torch.cat([p.grad.reshape(-1) for p in module.parameters() if p.grad is not None]).numpy().copy()
+
+
+class _WithUnusedLayer(nn.Module):
+    """A layer the forward never uses: DDP and OverlapDDP need find_unused_parameters=True for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _mlp()
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.net(inputs)
+
+
+def _fabric(tmp: Path) -> dict[str, Any]:
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import DDPStrategy
+
+    import overlapddp.integrations.lightning  # noqa: F401  (registers "overlap_ddp" with Fabric too)
+    from overlapddp.integrations.lightning import OverlapDDPFabricStrategy
+
+    def train(strategy: Any, name: str, unused: bool = False) -> dict[str, Any]:
+        """3 steps of 2 batches through no_backward_sync, fabric.save, a step, fabric.load, that step again."""
+        fabric = Fabric(accelerator="cpu", devices=WORLD_SIZE, strategy=strategy)
+        fabric.launch()
+        torch.manual_seed(0)
+        net = _WithUnusedLayer() if unused else _mlp()
+        model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+        loader = fabric.setup_dataloaders(DataLoader(_regression_data(64), batch_size=4))  # rank-dependent batches
+        batches = list(loader)
+        params, grads = [], []
+
+        def steps(micro_batches: list[Any]) -> None:
+            for index, (inputs, targets) in enumerate(micro_batches):
+                with fabric.no_backward_sync(model, enabled=index % 2 == 0):
+                    fabric.backward(nn.functional.mse_loss(model(inputs), targets))
+                grads.append(_grads(net))  # after the first of two: this rank's own, not reduced
+                if index % 2 == 1:
+                    optimizer.step()
+                    optimizer.zero_grad()
+                params.append(_flat(net))
+
+        steps(batches[:6])
+        checkpoint = tmp / f"fabric_{name}.ckpt"
+        fabric.save(checkpoint, {"model": model, "optimizer": optimizer})
+        saved = _flat(net)
+        steps(batches[6:8])
+        fabric.load(checkpoint, {"model": model, "optimizer": optimizer})
+        restored = _flat(net)
+        steps(batches[6:8])
+        return {"params": params, "grads": grads, "wrapper": type(model._forward_module).__name__,
+                "checkpoint_keys": sorted(torch.load(checkpoint, weights_only=False)["model"]),
+                "restored_exactly": np.array_equal(saved, restored)}
+
+    results = {
+        "by_name": {"ddp": train("ddp", "ddp"), "overlap_ddp": train("overlap_ddp", "overlap_ddp")},
+        "with_arguments": {
+            "ddp": train(DDPStrategy(bucket_cap_mb=0.001, find_unused_parameters=True), "ddp_args", unused=True),
+            "overlap_ddp": train(OverlapDDPFabricStrategy(bucket_cap_mb=0.001, find_unused_parameters=True),
+                                 "overlap_ddp_args", unused=True),
+        },
+    }
+    control = OverlapDDPFabricStrategy()._backward_sync_control
+    return {**results, "no_sync_unwrapped": _error_of(lambda: control.no_backward_sync(_mlp(), enabled=True))}
 
 
 # -- Accelerate --------------------------------------------------------------------------------
@@ -295,7 +385,8 @@ def _transformers(tmp: Path) -> dict[str, Any]:
 # -- one spawn for all ---------------------------------------------------------------------------
 
 SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {
-    "lightning": _lightning, "accelerate": _accelerate, "transformers": _transformers,
+    "lightning": _lightning, "fabric": _fabric, "pytorch_lightning": _pytorch_lightning, "accelerate": _accelerate,
+    "transformers": _transformers,
 }
 
 
@@ -314,7 +405,7 @@ def _rank(rank: int, world_size: int, frameworks: list[str], tmp: str) -> dict[s
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     installed = [name for name in FRAMEWORKS if _installed(name)]
     if not installed:
-        pytest.skip("none of lightning, accelerate, transformers is installed (the integrations extra)")
+        pytest.skip("none of lightning, pytorch_lightning, accelerate, transformers is installed (integrations extra)")
     return run_ranks(WORLD_SIZE, _rank, installed, str(tmp_path_factory.mktemp("frameworks")), pg_timeout_s=60)
 
 
@@ -335,8 +426,13 @@ def _assert_bit_equal(scenario: dict[str, Any], batches: int, key: str = "params
         assert torch.equal(a, b), f"parameters differ from DDP's after batch {batch}: max |diff| {(a - b).abs().max()}"
 
 
-def test_lightning_by_name_is_bit_equal_to_ddp_with_accumulation_test_and_resume(ranks):
-    for result in _results(ranks, "lightning"):
+# The Trainer: lightning.pytorch and the standalone pytorch_lightning, the same scenarios.
+TRAINERS = pytest.mark.parametrize("package", ["lightning", "pytorch_lightning"])
+
+
+@TRAINERS
+def test_lightning_by_name_is_bit_equal_to_ddp_with_accumulation_test_and_resume(ranks, package):
+    for result in _results(ranks, package):
         scenario = result["by_name"]
         assert scenario["overlap_ddp"]["wrappers"] == {"OverlapDDP"}
         assert scenario["ddp"]["wrappers"] == {"DistributedDataParallel"}
@@ -348,17 +444,37 @@ def test_lightning_by_name_is_bit_equal_to_ddp_with_accumulation_test_and_resume
         assert not any(key.startswith("module.") for key in ours["checkpoint_keys"])
 
 
-def test_lightning_passes_ddp_arguments_and_comm_hooks_through(ranks):
-    for result in _results(ranks, "lightning"):
+@TRAINERS
+def test_lightning_passes_ddp_arguments_and_comm_hooks_through(ranks, package):
+    for result in _results(ranks, package):
         _assert_bit_equal(result["with_arguments"], batches=4)  # fails without find_unused_parameters
         assert len(result["comm_hook_buckets"]) > 1, "the hook saw one bucket: bucket_cap_mb was not passed"
 
 
-def test_lightning_manual_optimization_reduces_every_backward_as_ddp(ranks):
-    for result in _results(ranks, "lightning"):
+@TRAINERS
+def test_lightning_manual_optimization_reduces_every_backward_as_ddp(ranks, package):
+    for result in _results(ranks, package):
         assert result["manual"]["overlap_ddp"]["wrappers"] == {"OverlapDDP"}
         _assert_bit_equal(result["manual"], batches=3)
         assert result["manual_static_graph"].startswith("ValueError: OverlapDDPStrategy(static_graph=True) with manual")
+
+
+def test_fabric_by_name_no_backward_sync_save_and_load_are_bit_equal_to_ddp(ranks):
+    for result in _results(ranks, "fabric"):
+        scenario = result["by_name"]
+        ours = scenario["overlap_ddp"]
+        assert ours["wrapper"] == "OverlapDDP" and scenario["ddp"]["wrapper"] == "DistributedDataParallel"
+        _assert_bit_equal(scenario, batches=10)
+        _assert_bit_equal(scenario, batches=10, key="grads")  # fails where no_backward_sync reduces
+        assert ours["restored_exactly"] and ours["checkpoint_keys"] == scenario["ddp"]["checkpoint_keys"]
+        assert not any(key.startswith("module.") for key in ours["checkpoint_keys"])
+
+
+def test_fabric_instance_passes_ddp_arguments_and_refuses_no_sync_on_a_bare_module(ranks):
+    for result in _results(ranks, "fabric"):
+        assert result["with_arguments"]["overlap_ddp"]["wrapper"] == "OverlapDDP"
+        _assert_bit_equal(result["with_arguments"], batches=10)  # fails without find_unused_parameters
+        assert result["no_sync_unwrapped"].startswith("TypeError: OverlapDDPFabricStrategy.no_backward_sync needs")
 
 
 def test_accelerate_prepare_accumulate_and_state_round_trip_are_bit_equal_to_ddp(ranks):
@@ -395,6 +511,7 @@ def test_transformers_trainer_is_bit_equal_to_its_ddp(ranks):
 
 def test_the_frameworks_page_shows_the_tested_one_line_usages():
     text = DOC.read_text()
-    for usage in ('strategy="overlap_ddp"', "import overlapddp.integrations.lightning",
+    for usage in ('strategy="overlap_ddp"', "import overlapddp.integrations.lightning", "Fabric(strategy=",
+                  "import overlapddp.integrations.pytorch_lightning", "from overlapddp.integrations.ray import",
                   "use_overlapddp(Accelerator(", "OverlapDDPTrainer("):
         assert usage in text, f"{DOC} no longer shows {usage}"

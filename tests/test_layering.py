@@ -13,7 +13,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "overlapddp"
 # overlapddp.integrations sits above every layer: only users import it, and only it imports a framework.
 INTEGRATIONS = PACKAGE / "integrations"
-FRAMEWORKS = {"lightning", "pytorch_lightning", "accelerate", "transformers"}
+FRAMEWORKS = {"lightning", "pytorch_lightning", "accelerate", "transformers", "ray"}
 
 # Lowest first; a module may import only from strictly lower layers.
 LAYERS = [
