@@ -75,8 +75,8 @@ class BucketStorage:
         self,
         grads: Sequence[torch.Tensor | None],
         multiply_by: float | None,
-        divide_by: int | None,
-        alias_divide_by: int | None = None,
+        divide_by: float | None,
+        alias_divide_by: float | None = None,
     ) -> None:
         """Copy every local gradient into the buffer (zeros for ``None``), then scale it.
 

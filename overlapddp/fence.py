@@ -28,6 +28,7 @@ import torch
 from torch.futures import Future
 
 from overlapddp.device_streams import CudaKit
+from overlapddp.tuning.clock import HostClock, Stamp
 
 EDGE_ORDER = ("produced", "launched", "completed", "consumed")
 BACKWARD_END = "backward end"  # not a bucket edge: when the end-of-backward callback started
@@ -100,9 +101,11 @@ class Fence:
         self._buffers: dict[int, torch.Tensor] = {}
         self.log: FenceLog | None = None
         self.iteration = 0
-        # While logging: when each launched bucket's collective finished, written by its future's
-        # callback (any thread), so a timeline shows completions during backward where they happened.
-        self._finished_at: dict[int, float] = {}
+        # While logging: when each launched bucket's collective finished, a host-clock stamp filled by
+        # its future's callback (any thread), so a timeline shows completions during backward where
+        # they happened; read by ``complete``.
+        self._clock = HostClock()
+        self._finished_at: dict[int, Stamp] = {}
         self._launched_at: dict[int, float] = {}
 
     def _record(self, bucket: int, edge: str, actor: str, event: str | None = None, at: float | None = None) -> None:
@@ -139,8 +142,7 @@ class Fence:
         future = self._in_flight[bucket] = start()
         if self.log is not None and self.futures_complete_when_done:
             self._launched_at[bucket] = time.perf_counter()
-            self._finished_at.pop(bucket, None)
-            future.add_done_callback(lambda _: self._finished_at.setdefault(bucket, time.perf_counter()))
+            self._finished_at[bucket] = self._clock.done(future)
         self._record(bucket, "launched", "collective", at=self._launched_at.get(bucket))
 
     def complete(self, bucket: int) -> object:
@@ -153,7 +155,8 @@ class Fence:
         if bucket in self._launched_at:  # logging with host-visible completion
             now = time.perf_counter()
             # The callback may run just after the waiter woke; never before the launch was recorded.
-            finished = max(min(self._finished_at.pop(bucket, now), now), self._launched_at.pop(bucket))
+            finished = max(min(self._clock.host_time(self._finished_at.pop(bucket), now), now),
+                           self._launched_at.pop(bucket))
         self._record(bucket, "completed", "finalize", at=finished)
         return value
 

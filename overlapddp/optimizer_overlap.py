@@ -58,7 +58,7 @@ class OverlappedOptimizer:
         self._unscaler: BucketUnscaler | None = None
         if scaler is not None and scaler.is_enabled():
             self._unscaler = BucketUnscaler(
-                scaler, optimizer, reducer.params, lambda: reducer.backwards_armed, reducer.rank
+                scaler, optimizer, reducer.params, lambda: reducer.synchronized_forwards, reducer.rank
             )
         self._stepped_at = 0  # reducer.reductions the user's step() has acknowledged
         # Per-parameter gradient norms of the buckets reduced so far in this backward (clipping only).
@@ -68,14 +68,12 @@ class OverlappedOptimizer:
         self._versions: list[tuple[torch.Tensor, int]] = []
         # Optimizer.step is typed with overloads (closure or none); the overlapped step takes the closure only.
         optimizer.step = self._step  # type: ignore[method-assign, assignment]
-        reducer.after_bucket_reduced = self._bucket_reduced
-        reducer.after_all_reduced = self._finish
+        reducer.set_reduction_callbacks(self._bucket_reduced, self._finish)
 
     def detach(self) -> None:
         """Give the optimizer its own ``step()`` back and stop updating during backward."""
         self.optimizer.step = self._update  # type: ignore[method-assign]
-        self._reducer.after_bucket_reduced = None
-        self._reducer.after_all_reduced = None
+        self._reducer.set_reduction_callbacks(None, None)
         if self._unscaler is not None:
             self._unscaler.detach()
 

@@ -7,32 +7,70 @@ untouched (``None`` stays ``None``); one that only some ranks used receives the 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, cast
 
 import torch
 import torch.distributed as dist
 from torch.futures import Future
 
 
-def tensors_in(output: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a forward's output: through sequences, mappings and dataclasses."""
-    if isinstance(output, torch.Tensor):
-        yield output
-    elif isinstance(output, (list, tuple)):
-        for item in output:
+# [Note: which containers are walked] One walk for every place that looks into a forward's inputs or
+# outputs: lists, tuples (named ones too), dicts and dataclass instances. Dataclasses are walked as
+# DDP's ``_find_tensors`` (its unused-parameter search) and its mixed-precision input cast do (DDP's
+# pytree flattening for the static graph's first iteration misses them, and then never reduces it).
+
+
+def _children(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]] | None:
+    """The items the walk descends into, and how to rebuild ``tree`` from new ones (None: a leaf)."""
+    if isinstance(tree, (list, tuple)):
+        rebuild: Callable[[list[Any]], Any] = (
+            (lambda items: type(tree)(*items)) if hasattr(tree, "_fields") else type(tree)
+        )
+        return list(tree), rebuild
+    if isinstance(tree, dict):
+        keys = list(tree)
+        return list(tree.values()), lambda values: type(tree)(zip(keys, values, strict=True))
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        fields = dataclasses.fields(tree)
+
+        def rebuild_dataclass(values: list[Any]) -> Any:
+            changed = {f.name: v for f, v in zip(fields, values, strict=True) if f.init}
+            return dataclasses.replace(tree, **changed)
+
+        return [getattr(tree, f.name) for f in fields], rebuild_dataclass
+    return None
+
+
+def tensors_in(tree: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a forward's output or inputs (see [Note: which containers are walked])."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+        return
+    unpacked = _children(tree)
+    if unpacked is not None:
+        for item in unpacked[0]:
             yield from tensors_in(item)
-    elif isinstance(output, dict):
-        for item in output.values():
-            yield from tensors_in(item)
-    elif dataclasses.is_dataclass(output) and not isinstance(output, type):
-        for f in dataclasses.fields(output):
-            yield from tensors_in(getattr(output, f.name))
+
+
+def map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``tree`` with ``fn`` applied to each of its tensors, keeping its structure; a container none
+    of whose tensors changed is returned as is."""
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    unpacked = _children(tree)
+    if unpacked is None:
+        return tree
+    items, rebuild = unpacked
+    mapped = [map_tensors(item, fn) for item in items]
+    if all(new is old for new, old in zip(mapped, items, strict=True)):
+        return tree
+    return rebuild(mapped)
 
 
 def grad_accumulators(params: Sequence[torch.Tensor]) -> list[Any]:
     """The autograd node that accumulates each parameter's gradient (kept alive by the caller)."""
     with torch.enable_grad():
-        return [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
+        return [cast(Any, p.view_as(p).grad_fn).next_functions[0][0] for p in params]
 
 
 def unreachable(outputs: Sequence[torch.Tensor], accumulators: Sequence[Any]) -> list[int]:

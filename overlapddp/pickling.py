@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 from overlapddp.bucket_plan import BucketCaps
+from overlapddp.delayed_reduction import DelayedReduction
 from overlapddp.fence import fence_for
 from overlapddp.reducer import Reducer, ReducerOptions
 
@@ -36,25 +37,29 @@ class ReducerRecipe:
     caps: BucketCaps
     sparse_gradient: tuple[bool, ...]
     options: ReducerOptions
-    check_finite: bool
-    dropped_hooks: tuple[str, ...]  # communication hooks the original had; named in a warning
+    checks_nonfinite: bool = False
+    dropped_hooks: tuple[str, ...] = ()  # communication hooks the original had; named in a warning
 
-    def build(self, parameters: dict[str, torch.Tensor], process_group: dist.ProcessGroup) -> Reducer:
-        """A new reducer, as constructed, for the copy's parameters of the same names."""
+    def build(
+        self,
+        parameters: dict[str, torch.Tensor],
+        process_group: dist.ProcessGroup,
+        delayed: DelayedReduction | None = None,
+    ) -> Reducer:
+        """A new reducer, as constructed, for the parameters of these names: the one way the wrapper
+        and its copies build one."""
         missing = [n for n in self.names if n not in parameters]
         if missing:
             raise RuntimeError(f"The copied module lacks the parameters {missing} that its OverlapDDP reduced.")
         params = [parameters[n] for n in self.names]
-        reducer = Reducer(
-            params, self.names, process_group, fence_for(dict(zip(self.names, (p.device for p in params)))),
-            self.caps, self.sparse_gradient,
-            self.options,
+        fence = fence_for(dict(zip(self.names, (p.device for p in params), strict=True)))
+        return Reducer(
+            params, self.names, process_group, fence, self.caps, self.sparse_gradient, self.options,
+            delayed=delayed, check_nonfinite=self.checks_nonfinite,
         )
-        reducer.check_finite = self.check_finite
-        return reducer
 
 
-def pickled_state(attributes: dict[str, Any], hooks: list[tuple[Any, object]]) -> dict[str, Any]:
+def pickled_state(attributes: dict[str, Any]) -> dict[str, Any]:
     """The wrapper's ``__dict__`` as pickled: no live objects, the reducer's recipe in their place."""
     group = attributes["process_group"]
     if not dist.is_initialized() or group != dist.group.WORLD:
@@ -71,10 +76,10 @@ def pickled_state(attributes: dict[str, Any], hooks: list[tuple[Any, object]]) -
         )
     reducer: Reducer = attributes["_reducer"]
     state = {k: v for k, v in attributes.items() if k not in _NOT_PICKLED}
-    state["_comm_hooks"] = []
+    hooks = [] if reducer.comm_hook is None else [reducer.comm_hook[1]]
     state[_RECIPE] = ReducerRecipe(
-        tuple(reducer.names), reducer.caps, tuple(reducer.sparse_gradient), reducer.options, reducer.check_finite,
-        tuple(getattr(hook, "__qualname__", repr(hook)) for hook, _ in hooks),
+        tuple(reducer.names), reducer.caps, tuple(reducer.sparse_gradient), reducer.options, reducer.checks_nonfinite,
+        tuple(getattr(hook, "__qualname__", repr(hook)) for hook in hooks),
     )
     return state
 
@@ -100,4 +105,4 @@ def bind_to_default_group(recipe: ReducerRecipe) -> dist.ProcessGroup:
             UserWarning,
             stacklevel=4,
         )
-    return dist.group.WORLD
+    return cast(dist.ProcessGroup, dist.group.WORLD)  # initialized, so never None

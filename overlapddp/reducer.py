@@ -15,30 +15,49 @@ import dataclasses
 import enum
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 import torch
 import torch.distributed as dist
 
-from overlapddp.bucket_plan import BucketCaps, BucketPlan, explicit_plan, initial_plan, rebuilt_plan
+from overlapddp.bucket_plan import BucketCaps, BucketPlan
 from overlapddp.bucket_storage import BucketStorage
-from overlapddp.comm_hook import Bucket, CommHook, allreduce_sum, hook_result, is_unchained, run_hook
+from overlapddp.bucket_reduction import BucketReduction
+from overlapddp.comm_hook import Bucket, CommHook, hook_result
 from overlapddp.delayed_reduction import DelayedReduction
 from overlapddp.fence import Fence
-from overlapddp.module_sync import gather_objects
+from overlapddp.layout_lifecycle import LayoutLifecycle
+from overlapddp.gradient_checks import GradientWriteWatch, nonfinite_error
 from overlapddp.param_usage import UsageMap, grad_accumulators, unreachable
-from overlapddp.plan_tuner import TUNING_ITERATIONS, PlanTuner
 from overlapddp.sparse_reduction import SparseBucketStorage
 from overlapddp.token_weighting import TokenCount
 from overlapddp.torch_compat import in_backward
 
+if TYPE_CHECKING:
+    from overlapddp.tuning.clock import Stamp
+    from overlapddp.tuning.tuner import PlanTuner
+
 
 class ReducerState(enum.Enum):
-    """Where the reducer is in an iteration."""
+    """Where the reducer is in an iteration: the only record of it.
+
+    IDLE -> ARMED (prepare_for_backward) -> REDUCING (first gradient counted in) -> FINALIZING
+    (finalize) -> IDLE; a static graph's first backward: ARMED -> LEARNING (first gradient) ->
+    REDUCING (reduce_learned_graph counts every gradient in) -> FINALIZING -> IDLE. A failure
+    abandons the iteration: any state -> IDLE (_abandon).
+    """
 
     IDLE = "idle"  # no synchronized backward expected: before the first forward, or after finalize
-    BACKWARD = "backward"  # a synchronized forward ran; gradients are copied in and buckets launched
+    ARMED = "armed"  # a synchronized forward ran; its backward's gradients are to be reduced, none came yet
+    LEARNING = "learning"  # static graph, first synchronized backward: gradients are counted, nothing launched
+    REDUCING = "reducing"  # gradients are copied in and complete buckets launched; finalize is owed
     FINALIZING = "finalizing"  # the end-of-backward callback is completing buckets
+
+
+# A gradient arriving in these states belongs to a synchronized backward (otherwise it is local).
+_IN_BACKWARD = (ReducerState.REDUCING, ReducerState.ARMED, ReducerState.LEARNING)  # most frequent first
+# The states a new iteration may not start from: a backward began and its reduction is unfinished.
+_UNFINISHED = (ReducerState.LEARNING, ReducerState.REDUCING, ReducerState.FINALIZING)
 
 
 @dataclass(frozen=True)
@@ -50,7 +69,7 @@ class ReducerOptions:
     gradient_as_bucket_view: bool = False  # param.grad is a view into its bucket, no copy-out
     batched_grad_copy: bool = False  # copy unscaled, then divide each bucket (true division)
     skip_all_reduce_unused_params: bool = False  # never reduce buckets holding only unused params
-    tuned_plan: bool = False  # after DDP's rebuild, measure, model and select buckets (plan_tuner.py)
+    tuned_plan: bool = False  # after DDP's rebuild, measure, model and select buckets (tuning/tuner.py)
 
 
 class Reducer:
@@ -65,6 +84,9 @@ class Reducer:
         caps: BucketCaps,
         sparse_gradient: Sequence[bool],
         options: ReducerOptions = ReducerOptions(),
+        *,
+        delayed: DelayedReduction | None = None,
+        check_nonfinite: bool = False,
     ) -> None:
         self.params = list(params)
         self.names = list(names)
@@ -73,76 +95,70 @@ class Reducer:
         self._fence = fence
         self._caps = caps
         self._sparse_gradient = list(sparse_gradient)
-        self._comm_hook: tuple[Any, CommHook] | None = None
+        self._reduction = BucketReduction(process_group, options.batched_grad_copy)  # what each collective does
         self.state = ReducerState.IDLE
-        self._scale: float | None = None  # set per backward by prepare_for_backward
-        # Likewise: the world size, the ranks still training under Join, or (None until the first
-        # fill) the global token count.
-        self._divide_by: float | None = 1
-        self._hook_future: torch.futures.Future | None = None  # last hook chain started, see _start_reduction
-        self._join_count: dist.Work | None = None  # set per forward under Join, see set_join_count
-        # Read by the optimizer guard: completed reductions so far, and whether a backward outside
-        # synchronization (no_sync) has accumulated local gradients since the last one.
-        self.reductions = 0
-        self.backwards_armed = 0  # synchronized forwards so far: names the current iteration
+        # Read by the optimizer guards: reductions and synchronized forwards so far, and whether a
+        # no_sync backward left local gradients since the last reduction (a fact about param.grad
+        # that outlives the iteration's state: it holds through ARMED and LEARNING).
+        self.reductions = self.synchronized_forwards = 0
         self.local_gradients_since_reduction = False
-        self.check_finite = False  # see _check_finite
-        # Optimizer guards attached: while any is, report gradients written while their bucket was
-        # reduced (see _check_untouched). Per bucket: each gradient and its version when taken.
-        self.gradient_write_watchers = 0
-        self._taken: dict[int, list[tuple[int, torch.Tensor, int]]] = {}
-        self.tokens: TokenCount | None = None  # token-weighted reduction, see enable_token_weighting
+        self.checks_nonfinite = check_nonfinite  # before each launch, see gradient_checks.nonfinite_error
+        # While optimizer guards are attached: gradients written while their bucket was reduced.
+        self._write_watch = GradientWriteWatch(self.names, self.params, self.rank)
         # Called in finalize with each bucket's parameters once its gradients are written, while
         # later buckets may still be reducing: the overlapped optimizer's per-bucket update.
         self.after_bucket_reduced: Callable[[list[torch.Tensor]], None] | None = None
         self.after_all_reduced: Callable[[], None] | None = None  # once, when every bucket is written
-        # delay_all_reduce_named_params: launched by launch_delayed, completed in finalize (set by the wrapper).
-        self.delayed: DelayedReduction | None = None
-        self._ready_order: list[int] = []
-        self._rebuilt_from: list[int] = []  # rank 0's ready order the current plan was built from
-        # True from the first mark_ready of a backward until finalize: an unfinished reduction.
-        self._require_finalize = False
-        self._tuner = PlanTuner(self.params, self._sparse_gradient) if options.tuned_plan else None
+        # delay_all_reduce_named_params: launched by launch_delayed, completed in finalize.
+        self.delayed = delayed
+        self._layouts = LayoutLifecycle(self.params, self._sparse_gradient, caps, options)
         self._configure(options)
-        self._install_plan(
-            initial_plan(
-                self.params, self._sparse_gradient, self._caps, options.find_unused_parameters, options.static_graph
-            )
-        )
+        self._install_plan(self._layouts.initial_plan())
 
     def _configure(self, options: ReducerOptions) -> None:
-        """Everything but the plan that depends on the graph options, as before the first iteration."""
+        """Everything but the layout that depends on the graph options, as before the first iteration."""
         self.options = options
-        # DDP rebuilds once, from rank 0's gradient-ready order, unless it searches unused
-        # parameters on a dynamic graph.
-        self._rebuild_pending = options.static_graph or not options.find_unused_parameters
         tracks_usage = options.find_unused_parameters or options.static_graph
         self._usage = UsageMap(len(self.params), self.params[0].device) if tracks_usage else None
         self._accumulators = grad_accumulators(self.params) if self._dynamic_unused else []
         # Parameters no output reached (dynamic) or whose hook never fired in iteration 1 (static).
         self._unused: list[int] = []
         # Static graph: hook firings per parameter in this backward, and in the first one (None
-        # until the first synchronized backward ended).
+        # until the first synchronized backward ended: the graph is not learned yet).
         self._fires = [0] * len(self.params)
         self._expected_fires: list[int] | None = None
 
     def enable_static_graph(self) -> None:
         """Switch to ``static_graph=True`` (DDP's ``_set_static_graph``); only before the first backward
         and before a checkpointed layout was loaded. The buckets stay as constructed, as in DDP."""
-        started = self.reductions or self._require_finalize or self.state is not ReducerState.IDLE
-        if started or self._rebuilt_from or (self._tuner is not None and self._tuner.done):
+        if self.reductions or self.state is not ReducerState.IDLE or self._layouts.changed:
             raise RuntimeError(
                 f"static_graph can only be turned on before the first backward and before load_bucket_state "
                 f"(rank {self.rank}); pass static_graph=True to the constructor instead."
             )
         self._configure(dataclasses.replace(self.options, static_graph=True))
+        self._layouts.enable_static_graph()
 
-    # -- plan ---------------------------------------------------------------------------------
+    def set_nonfinite_check(self, enabled: bool) -> None:
+        """Turn the non-finite gradient check on or off (see gradient_checks.py)."""
+        self.checks_nonfinite = enabled
+
+    def watch_gradient_writes(self, watching: bool = True) -> None:
+        """An optimizer guard attaches (or, ``watching=False``, detaches): see gradient_checks.py."""
+        self._write_watch.watchers += 1 if watching else -1
+
+    def set_reduction_callbacks(
+        self, after_bucket: Callable[[list[torch.Tensor]], None] | None, after_all: Callable[[], None] | None
+    ) -> None:
+        """The overlapped optimizer's per-bucket update and its end (None, None: detach)."""
+        self.after_bucket_reduced, self.after_all_reduced = after_bucket, after_all
+
+    # -- layout -------------------------------------------------------------------------------
 
     def _install_plan(self, plan: BucketPlan) -> None:
         self.plan = plan
         located = plan.locate()
-        self._locate = [located[i][0] for i in range(len(self.params))]
+        self._bucket_of = [located[i][0] for i in range(len(self.params))]
         self._storages = [self._new_storage(b, members) for b, members in enumerate(plan.buckets)]
         self._reset_iteration()
 
@@ -153,11 +169,20 @@ class Reducer:
         return BucketStorage(index, [self.params[i] for i in members])
 
     def _reset_iteration(self) -> None:
-        self._pending = [len(members) for members in self.plan.buckets]
+        self._missing = [len(members) for members in self.plan.buckets]  # per bucket: gradients not copied in
         self._marked = [False] * len(self.params)
         self._next_launch = 0
         self._unused_marked = False
         self._fires = [0] * len(self.params)
+        # Per synchronized backward, from the layout lifecycle: where to record each fired gradient
+        # (while DDP's rebuild is awaited) and the tuner while it measures; None otherwise.
+        self._record_ready: Callable[[int], None] | None = None
+        self._timing: PlanTuner | None = None
+
+    @property
+    def _used(self) -> UsageMap:
+        """The usage map, where the options guarantee one (unused-parameter search or static graph)."""
+        return cast(UsageMap, self._usage)
 
     @property
     def _dynamic_unused(self) -> bool:
@@ -171,11 +196,8 @@ class Reducer:
 
     @property
     def final_layout_iteration(self) -> int:
-        """The first synchronized iteration (from 0) whose buckets stay: DDP's rebuild is in force
-        from iteration 1 (2 with a static graph); the tuned plan, measured and selected after it, at the
-        latest this many later."""
-        ddp = 2 if self.options.static_graph else 1
-        return ddp + (TUNING_ITERATIONS if self._tuner is not None else 0)
+        """The first synchronized iteration (from 0) whose buckets stay (see LayoutLifecycle)."""
+        return self._layouts.final_iteration
 
     @property
     def caps(self) -> BucketCaps:
@@ -190,13 +212,13 @@ class Reducer:
     @property
     def has_rebuilt_buckets(self) -> bool:
         """True once the ready-order rebuild has happened (or will never happen)."""
-        return not self._rebuild_pending
+        return self._layouts.rebuilt
 
     def in_flight(self) -> list[int]:
         """Buckets with gradients already taken in this backward that finalize has not written back."""
         if self.state is ReducerState.IDLE:
             return []
-        return [b for b, members in enumerate(self.plan.buckets) if self._pending[b] < len(members)]
+        return [b for b, members in enumerate(self.plan.buckets) if self._missing[b] < len(members)]
 
     @property
     def fence(self) -> Fence:
@@ -215,64 +237,45 @@ class Reducer:
 
     def bucket_order(self) -> list[int] | None:
         """The gradient-ready order the buckets were rebuilt from (None before, or without, a rebuild)."""
-        return list(self._rebuilt_from) or None
+        return self._layouts.bucket_order()
 
     def tuned_buckets(self) -> list[list[int]] | None:
         """The tuned layout, once installed (None before, or without ``bucket_plan="tuned"``)."""
-        if self._tuner is None or not self._tuner.done:
-            return None
-        return [list(members) for members in self.plan.buckets]
+        return [list(members) for members in self.plan.buckets] if self._layouts.tuned else None
 
     def restore_bucket_order(self, order: list[int] | None, tuned: list[list[int]] | None = None) -> None:
         """Resume with the layout a checkpointed run had, so that its continuation is bit-equal."""
         if order is None:
             return
         self._ensure_prior_reduction_finished()
-        self._rebuild_pending = False
-        self._ready_order = []
-        self._rebuilt_from = list(order)
-        plan = rebuilt_plan(self.params, self._sparse_gradient, self._caps, order)
-        if tuned is not None:
-            if self._tuner is None:
-                raise ValueError("This bucket state holds a tuned layout; construct with bucket_plan='tuned'.")
-            if sorted(i for b in tuned for i in b) != list(range(len(self.params))):
-                raise ValueError(f"The tuned layout must hold each of the {len(self.params)} parameters once.")
-            self._tuner.restored()
-            plan = explicit_plan(self.params, tuned)
-        self._adopt_plan(plan)
+        self._adopt_plan(self._layouts.restore(order, tuned))
 
     def enable_token_weighting(self) -> TokenCount:
         """Divide by the global token count instead of the world size (see token_weighting.py)."""
-        if self._comm_hook is not None:
-            raise RuntimeError("Token-weighted reduction cannot be combined with a communication hook.")
-        if self.tokens is None:
-            self.tokens = TokenCount(self._storages[0].buffer.device)
-        return self.tokens
+        return self._reduction.enable_token_weighting(self._storages[0].buffer.device)
 
     def set_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Reduce every bucket with ``hook(state, bucket)`` instead of the scaled sum."""
-        if self.tokens is not None:
-            raise RuntimeError("A communication hook cannot be combined with token-weighted reduction.")
-        if self._comm_hook is not None:
-            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
-        self._comm_hook = (state, hook)
+        self._reduction.set_comm_hook(state, hook)
+
+    @property
+    def comm_hook(self) -> tuple[Any, CommHook] | None:
+        """The registered ``(state, hook)``, or None for the default scaled sum."""
+        return self._reduction.comm_hook
+
+    def set_join_count(self, work: dist.Work, divide_by_initial_world_size: bool) -> None:
+        """Under ``Join``: ``work`` sums 1 per rank still training; average over those ranks unless
+        ``divide_by_initial_world_size``."""
+        self._reduction.set_join_count(work, divide_by_initial_world_size)
 
     # -- the iteration ------------------------------------------------------------------------
 
     def prepare_for_forward(self) -> None:
-        """Check the last reduction finished; apply the one rebuild once the ready order is known; let
-        the tuned plan switch layouts between iterations."""
+        """Check the last reduction finished; install the layout the lifecycle answers (DDP's one
+        rebuild, the tuner's switches) between iterations."""
         self._ensure_prior_reduction_finished()
-        if self._rebuild_pending and self._ready_order:
-            order = torch.tensor(self._ready_order, dtype=torch.int64, device=self._storages[0].buffer.device)
-            dist.broadcast(order, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
-            self._rebuild_pending = False
-            self._ready_order = []
-            self._rebuilt_from = order.tolist()
-            self._adopt_plan(rebuilt_plan(self.params, self._sparse_gradient, self._caps, self._rebuilt_from))
-        elif self._tuner is not None and self.has_rebuilt_buckets:
-            device = self._storages[0].buffer.device
-            self._tuner.between_iterations(self.process_group, device, self._rebuilt_from, self.plan, self._adopt_plan)
+        device = self._storages[0].buffer.device
+        self._layouts.at_forward(self.process_group, device, self.plan, self._adopt_plan)
 
     def _adopt_plan(self, plan: BucketPlan) -> None:
         """Switch layouts between iterations; with gradient_as_bucket_view, the gradients move along."""
@@ -280,7 +283,7 @@ class Reducer:
         if self.options.gradient_as_bucket_view:
             for storage in self._storages:
                 with torch.no_grad():
-                    for param, view in zip(storage.params, storage.views):
+                    for param, view in zip(storage.params, storage.views, strict=False):  # a sparse bucket has no views
                         if param.grad is not None:
                             view.copy_(param.grad)
                 storage.point_grads_at_views()
@@ -300,19 +303,12 @@ class Reducer:
         """
         self._ensure_prior_reduction_finished()
         self._reset_iteration()
-        self.backwards_armed += 1
-        # Scale while copying, as DDP's default path does; a hook or batched copy divides later.
-        no_scaling = self._comm_hook is not None or self.options.batched_grad_copy
-        self._divide_by = self._divisor()
-        self._scale = None if no_scaling else 1.0 / self._divide_by
-        if self.tokens is not None:
-            self.tokens.launch(self.process_group)  # overlaps backward; waited at the first fill
-            self._divide_by = None
-        if self._tuner is not None and self.has_rebuilt_buckets:
-            self._tuner.start_iteration()
+        self.synchronized_forwards += 1
+        self._reduction.arm()
+        self._record_ready, self._timing = self._layouts.start_iteration()
         if self._dynamic_unused:
             self._unused = unreachable(outputs, self._accumulators)
-        self.state = ReducerState.BACKWARD
+        self.state = ReducerState.ARMED  # IDLE or ARMED -> ARMED: this forward's backward is reduced
 
     def mark_ready(self, index: int) -> bool:
         """Parameter ``index`` has its gradient; returns True when every bucket has launched.
@@ -321,13 +317,13 @@ class Reducer:
         """
         if self._usage is not None and (self._dynamic_unused or self._expected_fires is None):
             self._usage.mark_used(index)
-        if self.state is not ReducerState.BACKWARD:
+        if self.state not in _IN_BACKWARD:
             self.local_gradients_since_reduction = True
             return False
         if self.options.static_graph:
             self._fires[index] += 1
             if self._expected_fires is None:
-                self._require_finalize = True
+                self.state = ReducerState.LEARNING  # ARMED -> LEARNING: the graph's first backward
                 return False  # iteration 1 only learns the graph
             expected = self._expected_fires[index]
             if expected == 0:
@@ -345,8 +341,8 @@ class Reducer:
                 "parameter is used outside forward, in reentrant backward (use static_graph=True), or in "
                 "several backwards of one forward; use no_sync() for all but the last backward."
             )
-        if self._rebuild_pending:
-            self._ready_order.append(index)
+        if self._record_ready is not None:
+            self._record_ready(index)
         if not self._unused_marked:
             self._unused_marked = True
             for unused in self._unused:
@@ -357,20 +353,20 @@ class Reducer:
     def _mark(self, index: int) -> None:
         """Count one gradient in; fill and launch every bucket that is complete, in index order."""
         self._marked[index] = True
-        self._require_finalize = True
-        if self._tuner is not None:
-            self._tuner.gradient_ready(index)
-        bucket = self._locate[index]
+        self.state = ReducerState.REDUCING  # ARMED or LEARNING -> REDUCING: finalize is owed from here
+        if self._timing is not None:
+            self._timing.gradient_ready(index)
+        bucket = self._bucket_of[index]
         self._fence.gradient_ready(bucket)
-        self._pending[bucket] -= 1
-        if self._pending[bucket] == 0:
+        self._missing[bucket] -= 1
+        if self._missing[bucket] == 0:
             self._fill(bucket)
-        while self._next_launch < len(self._storages) and self._pending[self._next_launch] == 0:
+        while self._next_launch < len(self._storages) and self._missing[self._next_launch] == 0:
             if not self._skipped(self._next_launch):
                 self._launch(self._next_launch)
             self._next_launch += 1
             if self._next_launch == len(self._storages) and self._dynamic_unused:
-                self._usage.launch_reduction(self.process_group)
+                self._used.launch_reduction(self.process_group)
 
     def _skipped(self, bucket: int) -> bool:
         """``skip_all_reduce_unused_params``: a bucket of only unused parameters is not reduced."""
@@ -382,12 +378,13 @@ class Reducer:
     def launch_delayed(self) -> None:
         """``param_to_hook_all_reduce`` has its gradient: start the delayed all-reduce, once per
         synchronized backward (finalize completes it, or starts it if this never ran)."""
-        if self.state is ReducerState.BACKWARD and not self.delayed.launched:
-            self.delayed.launch(self._fence)
+        delayed = cast(DelayedReduction, self.delayed)  # this hook is registered only with one
+        if self.state in _IN_BACKWARD and not delayed.launched:
+            delayed.launch(self._fence)
 
     def reduce_learned_graph(self) -> None:
         """Static graph, end of the first backward: learn who is unused, then reduce everything."""
-        self._usage.launch_reduction(self.process_group)
+        self._used.launch_reduction(self.process_group)
         self._expected_fires = list(self._fires)
         self._unused = [i for i, fires in enumerate(self._fires) if fires == 0]
         self._unused_marked = True
@@ -398,125 +395,71 @@ class Reducer:
     def _fill(self, index: int) -> None:
         """Copy a complete bucket's gradients in, scaled as DDP scales them (batched, once per bucket)."""
         storage = self._storages[index]
-        no_hook = self._comm_hook is None
-        batched = self.options.batched_grad_copy
-        if self._divide_by is None:  # token weighting: the global count is needed from here on
-            self._divide_by = self.tokens.total(self.rank)
-            self._scale = None if batched else 1.0 / self._divide_by
         self._fence.filling(index)
-        storage.copy_in(
-            [p.grad for p in storage.params],
-            self._scale,
-            divide_by=self._divide_by if batched and no_hook else None,
-            alias_divide_by=self._divide_by if no_hook and not batched else None,
-        )
+        self._reduction.copy_in(storage)
         if self.options.gradient_as_bucket_view:
             storage.point_grads_at_views()
-        elif self.gradient_write_watchers:
-            self._taken[index] = [
-                (i, p.grad, p.grad._version) for i, p in zip(self.plan.buckets[index], storage.params)
-                if p.grad is not None
-            ]
+        elif self._write_watch.watchers:
+            self._write_watch.taken(index, self.plan.buckets[index], storage.params)
         self._fence.produced(index, storage.buffer)  # on the stream that wrote the bucket
 
     def _globally_used(self, index: int) -> bool:
         """Whether any rank produced this gradient; a globally unused gradient is left untouched."""
         return self._usage is None or self._usage.globally_used(index)
 
-    def _world_size(self) -> int:
-        return self.process_group.size()
-
-    def _divisor(self) -> int:
-        """The world size, or under ``Join`` the number of ranks still training when asked for."""
-        if self._join_count is None:
-            return self._world_size()
-        work, self._join_count = self._join_count, None
-        work.wait()
-        return int(work.result()[0].item())
-
     def _launch(self, index: int) -> None:
-        if self.check_finite:
-            self._fence.order_after_produced(index)  # the check reads param.grad, maybe on another stream
-            self._check_finite(index)
         storage = self._storages[index]
-        bucket = self._bucket(index, storage.buffer)
+        if self.checks_nonfinite:
+            self._fence.order_after_produced(index)  # the check reads param.grad, maybe on another stream
+            members, device = self.plan.buckets[index], storage.buffer.device
+            error = nonfinite_error(index, members, storage.params, self.names, device, self.process_group)
+            if error is not None:
+                self._abandon()
+                raise error
+        bucket = self._hook_bucket(index, storage.buffer)
         with torch.autograd.profiler.record_function(f"overlapddp.bucket_{index}.launch"):
             self._fence.launch(index, lambda: self._start_measured(bucket))
 
     def _start_measured(self, bucket: Bucket) -> torch.futures.Future:
         """Start the reduction; while the tuned plan calibrates, also time it for the tuner."""
-        if self._tuner is None or not self._tuner.measuring:
-            return self._start_reduction(bucket)
-        started, launched = time.perf_counter(), self._tuner.now()
-        future = self._start_reduction(bucket)
+        timing = self._timing
+        if timing is None or not timing.measuring:
+            return self._reduction.start(bucket)
+        started, launched = time.perf_counter(), timing.now()
+        future = self._reduction.start(bucket)
         buffer = bucket.buffer()
         nbytes = buffer.numel() * buffer.element_size()
-        self._tuner.bucket_launched(nbytes, len(bucket.parameters()), started, launched, future)
+        timing.bucket_launched(nbytes, len(bucket.parameters()), started, launched, future)
         return future
 
-    def _bucket(self, index: int, buffer: torch.Tensor) -> Bucket:
+    def _hook_bucket(self, index: int, buffer: torch.Tensor) -> Bucket:
+        """Bucket ``index`` over ``buffer`` as the comm-hook adapter a hook receives."""
         storage = self._storages[index]
         return Bucket(
             index, buffer, storage.offsets, storage.lengths, storage.params,
             is_last=index == len(self._storages) - 1,
         )
 
-    def _start_reduction(self, bucket: Bucket) -> torch.futures.Future:
-        """Start one bucket's collective(s): the scaled sum, or the registered hook."""
-        if self._comm_hook is None:
-            return allreduce_sum(self.process_group, bucket)
-        state, hook = self._comm_hook
-        # Hook chains run one bucket at a time, see [Note: one hook chain at a time] in
-        # comm_hook.py: bucket b's hook starts once bucket b-1's future (kept here from the
-        # previous start of this iteration; finalize consumes it through the fence) is done.
-        chained = bucket.index() > 0 and not is_unchained(hook)
-        after = self._hook_future if chained else None
-        self._hook_future = run_hook(hook, state, bucket, after)
-        return self._hook_future
-
     def shadow_backward(self) -> None:
         """A joined rank's backward: the same collectives as the others', on zeros, in the same order."""
         futures = [
-            self._start_reduction(self._bucket(index, torch.zeros_like(storage.buffer)))
+            self._reduction.start(self._hook_bucket(index, torch.zeros_like(storage.buffer)))
             for index, storage in enumerate(self._storages)
         ]
         for future in futures:
             future.wait()
         if self._dynamic_unused:
-            self._usage.shadow_reduction(self.process_group)
-        if self._rebuild_pending and not self._ready_order:
-            self._ready_order = list(range(len(self.params)))
-        elif self._tuner is not None and self.has_rebuilt_buckets:
-            self._tuner.shadow_iteration()
-
-    def set_join_count(self, work: dist.Work, divide_by_initial_world_size: bool) -> None:
-        """Under ``Join``: ``work`` sums 1 per rank still training; average over those ranks unless
-        ``divide_by_initial_world_size``."""
-        self._join_count = None if divide_by_initial_world_size else work
+            self._used.shadow_reduction(self.process_group)
+        self._layouts.iteration_shadowed()
 
     def finalize(self) -> None:
         """Complete every bucket in order and write the reduced values into ``param.grad``."""
-        self.state = ReducerState.FINALIZING
+        self.state = ReducerState.FINALIZING  # REDUCING -> FINALIZING: every bucket launched, backward over
         self._fence.backward_ended()
-        hook_name = "allreduce (default)" if self._comm_hook is None else _qualname(self._comm_hook[1])
-        measuring = self._tuner is not None and self._tuner.measuring
         try:
-            for index, storage in enumerate(self._storages):
-                if self._skipped(index):
-                    continue
-                with torch.autograd.profiler.record_function(f"overlapddp.bucket_{index}.complete"):
-                    value = self._complete(index)
-                    reduced_at = self._tuner.now() if measuring else None
-                    self._check_untouched(index)
-                    write = [self._globally_used(i) for i in self.plan.buckets[index]]
-                    result = hook_result(value, hook_name, index, storage.buffer)
-                    storage.copy_out(result, write, as_view=self.options.gradient_as_bucket_view)
-                    written = [p.grad for p in storage.params if p.grad is not None]
-                    self._fence.consumed(index, "copy to param.grad", written)
-                if self.after_bucket_reduced is not None:
-                    self.after_bucket_reduced(storage.params)
-                if measuring:
-                    self._tuner.bucket_finalized(reduced_at, self._tuner.now())
+            for index in range(len(self._storages)):
+                if not self._skipped(index):
+                    self._write_back(index)
             if self.delayed is not None:
                 self.delayed.finish(self._fence)
             if self._usage is not None:
@@ -527,17 +470,31 @@ class Reducer:
             self._abandon()
             raise
         if self._dynamic_unused:
-            self._usage.reset()
-        if self._rebuild_pending and self.options.static_graph and self._ready_order:
-            # DDP appends the parameters that never fired to the recorded order at finalize.
-            self._ready_order += [i for i in self._unused]
+            self._used.reset()
         self._fence.end_iteration()
-        if self._tuner is not None:
-            self._tuner.end_iteration()
+        self._layouts.iteration_reduced(self._unused)
         self.reductions += 1
         self.local_gradients_since_reduction = False
-        self._require_finalize = False
-        self.state = ReducerState.IDLE
+        self._record_ready, self._timing = None, None
+        self.state = ReducerState.IDLE  # FINALIZING -> IDLE: every gradient written
+
+    def _write_back(self, index: int) -> None:
+        """Complete bucket ``index`` and copy its reduced values into ``param.grad``; then its callback."""
+        storage = self._storages[index]
+        timing = self._timing if self._timing is not None and self._timing.measuring else None
+        with torch.autograd.profiler.record_function(f"overlapddp.bucket_{index}.complete"):
+            value = self._complete(index)
+            reduced_at = timing.now() if timing is not None else None
+            self._write_watch.check(index)
+            write = [self._globally_used(i) for i in self.plan.buckets[index]]
+            result = hook_result(value, self._reduction.hook_name, index, storage.buffer)
+            storage.copy_out(result, write, as_view=self.options.gradient_as_bucket_view)
+            written = [p.grad for p in storage.params if p.grad is not None]
+            self._fence.consumed(index, "copy to param.grad", written)
+        if self.after_bucket_reduced is not None:
+            self.after_bucket_reduced(storage.params)
+        if timing is not None:
+            timing.bucket_finalized(cast("Stamp", reduced_at), timing.now())
 
     def _complete(self, index: int) -> object:
         """The bucket's reduced value, or an error that says which bucket and rank failed."""
@@ -552,47 +509,10 @@ class Reducer:
                 "were not reduced; the process group may no longer be usable."
             ) from error
 
-    def _check_untouched(self, index: int) -> None:
-        """A gradient changed in place (or replaced) after it was copied into its bucket would be
-        silently overwritten by the reduced value: stop instead (guarded optimizers only)."""
-        taken = self._taken.pop(index, [])
-        changed = [self.names[i] for i, grad, version in taken
-                   if self.params[i].grad is not grad or grad._version != version]
-        if changed:
-            raise RuntimeError(
-                f"The gradients of {', '.join(changed)} (bucket {index}) were changed on rank {self.rank} while "
-                "the bucket was being reduced (clip_grad_norm_, zero_grad or another write from inside "
-                "backward); the reduced values would silently replace that change. Change gradients only "
-                "after loss.backward() has returned."
-            )
-
-    def _check_finite(self, index: int) -> None:
-        """Before bucket ``index`` is reduced, make every rank stop if any rank's gradients there are
-        not finite, naming those ranks and parameters (one extra all-reduce per bucket; a debug option).
-
-        The flags are computed on the device; the host reads one count per bucket."""
-        storage = self._storages[index]
-        present = [(i, p.grad) for i, p in zip(self.plan.buckets[index], storage.params) if p.grad is not None]
-        device = storage.buffer.device
-        flags = torch.stack([torch.isfinite(_values(g)).all().logical_not() for _, g in present]) if present else \
-            torch.zeros(0, dtype=torch.bool, device=device)
-        count = flags.sum(dtype=torch.int64).reshape(1)
-        dist.all_reduce(count, group=self.process_group)
-        if count.item() == 0:
-            return
-        bad = [self.names[i] for (i, _), flag in zip(present, flags.tolist()) if flag]
-        everyone = gather_objects(bad, self.process_group, device)
-        found = "; ".join(f"rank {r}: {', '.join(names)}" for r, names in enumerate(everyone) if names)
-        self._abandon()
-        raise FloatingPointError(
-            f"Non-finite gradients (NaN or Inf) in bucket {index} before its reduction ({found}). "
-            "Nothing was reduced, so no rank received them; the wrapper has been reset."
-        )
-
     # -- errors -------------------------------------------------------------------------------
 
     def _ensure_prior_reduction_finished(self) -> None:
-        if not self._require_finalize:
+        if self.state not in _UNFINISHED:
             return
         missing = [i for i, marked in enumerate(self._marked) if not marked]
         self._abandon()
@@ -617,21 +537,9 @@ class Reducer:
                 self._storages[index] = self._new_storage(index, self.plan.buckets[index])
         if self.delayed is not None:
             self.delayed.abandon()
-        self._require_finalize = False
-        self._ready_order = []
-        self._taken = {}
-        if self._tuner is not None:
-            self._tuner.discard_iteration()
+        self._write_watch.clear()
+        self._layouts.iteration_abandoned()
         if self._dynamic_unused:
-            self._usage.reset()
+            self._used.reset()
         self._reset_iteration()
-        self.state = ReducerState.IDLE
-
-
-def _values(grad: torch.Tensor) -> torch.Tensor:
-    """The stored values of a dense or sparse gradient."""
-    return grad._values() if grad.is_sparse else grad
-
-
-def _qualname(hook: object) -> str:
-    return getattr(hook, "__qualname__", None) or repr(hook)
+        self.state = ReducerState.IDLE  # any -> IDLE: the iteration is dropped

@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 import torch
 import torch.distributed as dist
@@ -19,26 +19,21 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
-from overlapddp.backend_support import refuse_unsupported
-from overlapddp.bucket_plan import BucketCaps
+from overlapddp.construction import Arguments, Construction, resolve, synchronize
 from overlapddp.comm_hook import CommHook
 from overlapddp.comm_hook_validation import builtin_hook, check_comm_hook
 from overlapddp.compile_split import GraphSplitter, in_compiled_autograd
 from overlapddp.delayed_reduction import DelayedReduction
-from overlapddp.fence import Fence, FenceLog, fence_for
+from overlapddp.fence import Fence, FenceLog
 from overlapddp.join import OverlapJoinHook, announce_backward_sync, common_rank
 from overlapddp.mixed_precision import MixedPrecision, ParameterCasts, ReduceInPrecision, reduce_in_precision_hook
-from overlapddp.module_sync import broadcast_coalesced, verify_same_parameters
+from overlapddp.module_sync import broadcast_coalesced
 from overlapddp.optimizer_guard import OptimizerGuard
 from overlapddp.optimizer_overlap import OverlappedOptimizer
-from overlapddp.param_usage import tensors_in
+from overlapddp.param_usage import map_tensors, tensors_in
 from overlapddp.pickling import bind_to_default_group, pickled_state, take_recipe
-from overlapddp.reducer import Reducer, ReducerOptions
+from overlapddp.reducer import Reducer
 from overlapddp.torch_compat import let_dcp_unwrap, queue_callback, to_kwargs
-
-# "ddp": DDP's exact layout (bit-equal at every world size); "tuned": the fastest of a modelled plan
-# (tuned_plan.py) and DDP's fixed layouts, by measurement (plan_selection.py).
-BUCKET_PLANS = ("ddp", "tuned")
 
 
 class OverlapDDP(nn.Module, Joinable):
@@ -83,119 +78,50 @@ class OverlapDDP(nn.Module, Joinable):
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
-        if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
-            raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce need to be set at the same time.")
-        precision = None if mixed_precision is None else MixedPrecision(mixed_precision)
-        delayed = _delayed_parameters(module, delay_all_reduce_named_params, param_to_hook_all_reduce)
-        if check_reduction:
-            warnings.warn(
-                "The `check_reduction` argument is deprecated (as in DDP) and has no effect.",
-                FutureWarning,
-                stacklevel=2,
-            )
-        self.process_group = _resolve_group(process_group, device_mesh)
+        args = Arguments(
+            device_ids, output_device, dim, broadcast_buffers, init_sync, process_group, bucket_cap_mb,
+            find_unused_parameters, check_reduction, gradient_as_bucket_view, static_graph,
+            delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, device_mesh,
+            skip_all_reduce_unused_params, bucket_cap_mb_list, batched_grad_copy, forward_sync_buffers, bucket_plan,
+        )
+        built = resolve(module, args)  # every argument checked; no collective yet
+        self._keep(module, args, built)
+        self._delayed = synchronize(built, init_sync)
+        self._reducer = built.recipe.build(dict(built.trainable), self.process_group, self._delayed)
+        self._hook_handles = _register_ready_hooks(self._reducer, self._reducer.params)
+        if self._delayed is not None:
+            hook_param = cast(torch.Tensor, param_to_hook_all_reduce)  # checked by resolve
+            self._hook_handles += _register_delayed_hooks(self._reducer, self._delayed, hook_param)
+        self._graph_splitter = GraphSplitter(self._reducer, self.bucket_bytes_cap)  # see compile_split.py
+        self._mixed_precision: tuple[MixedPrecision, ParameterCasts] | None = None
+        if built.precision is not None:
+            self._set_up_mixed_precision(built.precision)
+
+    def _keep(self, module: nn.Module, args: Arguments, built: Construction) -> None:
+        """The attributes DDP has (scripts and frameworks read them), from the resolved arguments."""
+        self.process_group = built.process_group
         self.module = module
-        self.dim = dim
-        self.find_unused_parameters = find_unused_parameters
-        self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.static_graph = static_graph
-        self.batched_grad_copy = batched_grad_copy
-        self.mixed_precision = mixed_precision
+        self.dim = args.dim
+        self.find_unused_parameters = args.find_unused_parameters
+        self.gradient_as_bucket_view = args.gradient_as_bucket_view
+        self.static_graph = args.static_graph
+        self.batched_grad_copy = args.batched_grad_copy
+        self.mixed_precision = args.mixed_precision
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True  # set by join(); read by forward under Join
-        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-        # As in DDP, the delayed parameters leave the buckets (and the init sync) like ignored ones.
-        self.parameters_to_ignore |= {name for name, _ in delayed}
-
-        named = [(n, p) for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
-        trainable = [(n, p) for n, p in named if p.requires_grad]
-        if delayed and not trainable:
-            raise NotImplementedError(
-                "Every parameter that requires grad is in delay_all_reduce_named_params; OverlapDDP completes the "
-                "delayed all-reduce at the end of its buckets' backward, so leave at least one parameter out of it."
-            )
-        _check_parameters(named, trainable)
-        self.device = trainable[0][1].device
+        self.parameters_to_ignore = built.ignored
+        self.device = built.device
         self.device_type = self.device.type
-        self.device_ids, self.output_device = _resolve_devices(device_ids, output_device, named)
-        self.forward_sync_buffers, init_sync_buffers = _resolve_buffer_sync(broadcast_buffers, forward_sync_buffers)
-        self.modules_buffers = [
-            b for n, b in module.named_buffers() if n not in self.parameters_to_ignore
-        ]
-        caps = BucketCaps.from_user(bucket_cap_mb, bucket_cap_mb_list)
-        self.bucket_bytes_cap = caps.bytes_cap
+        self.device_ids, self.output_device = built.device_ids, built.output_device
+        self.forward_sync_buffers = built.forward_sync_buffers
+        self.modules_buffers = built.buffers
+        self.bucket_bytes_cap = built.recipe.caps.bytes_cap
+        self._sparse_names = built.sparse_names
 
-        names = [n for n, _ in trainable]
-        params = [p for _, p in trainable]
-        self._delayed = None
-        if delayed:  # broadcast from rank 0 whatever init_sync says, as DDP does
-            self._delayed = DelayedReduction([p for _, p in delayed], [n for n, _ in delayed], self.process_group)
-            broadcast_coalesced([p.detach() for _, p in delayed], 0, self.process_group)
-        if init_sync:
-            verify_same_parameters(names, params, self.process_group)
-            self._broadcast_state(0, with_buffers=init_sync_buffers)
-
-        sparse = _expects_sparse_gradient(module, params)
-        self._sparse_names = [n for n, s in zip(names, sparse) if s]
-        refuse_unsupported(self.process_group, self.device, self._sparse_names)
-        if static_graph and find_unused_parameters:
-            warnings.warn(
-                "You passed find_unused_parameters=true to OverlapDDP with static_graph enabled; with a "
-                "static graph unused parameters are found in the first iteration, so it is not needed.",
-                UserWarning,
-                stacklevel=2,
-            )
-        if bucket_plan not in BUCKET_PLANS:
-            raise ValueError(f"bucket_plan must be one of {', '.join(map(repr, BUCKET_PLANS))}, got {bucket_plan!r}.")
-        if bucket_plan == "tuned" and any(sparse):
-            raise ValueError(
-                "bucket_plan='tuned' groups gradients into flat buffers, but "
-                f"{', '.join(self._sparse_names)} produce sparse gradients, which DDP's layout "
-                "keeps alone in their buckets; use bucket_plan='ddp'."
-            )
-        if bucket_plan == "tuned" and find_unused_parameters and not static_graph:
-            raise ValueError(
-                "bucket_plan='tuned' re-plans the buckets after DDP's ready-order rebuild, which "
-                "find_unused_parameters=True never does on a dynamic graph; use bucket_plan='ddp', or "
-                "static_graph=True if the graph does not change."
-            )
-        options = ReducerOptions(
-            find_unused_parameters=find_unused_parameters,
-            static_graph=static_graph,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            batched_grad_copy=batched_grad_copy,
-            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
-            tuned_plan=bucket_plan == "tuned",
-        )
-        fence = fence_for({n: p.device for n, p in trainable})
-        self._reducer = Reducer(params, names, self.process_group, fence, caps, sparse, options)
-        self._hook_handles = _register_ready_hooks(self._reducer, params)
-        if self._delayed is not None:
-            self._reducer.delayed = self._delayed
-            self._hook_handles += _register_delayed_hooks(self._reducer, self._delayed, param_to_hook_all_reduce)
-        self._graph_splitter = GraphSplitter(self._reducer, self.bucket_bytes_cap)  # see compile_split.py
-        self._comm_hooks: list[tuple[Callable, object]] = []
-        self._mixed_precision: tuple[MixedPrecision, ParameterCasts] | None = None
-        if precision is not None:
-            self._set_up_mixed_precision(precision, bool(delayed))
-
-    def _set_up_mixed_precision(self, precision: MixedPrecision, delayed: bool) -> None:
+    def _set_up_mixed_precision(self, precision: MixedPrecision) -> None:
         """DDP's ``mixed_precision`` (see mixed_precision.py): buffers cast now, parameters per forward,
         buckets reduced in the reduce dtype by a comm hook (so, as in DDP, no other hook can be registered)."""
-        refused = {
-            "gradient_as_bucket_view=True": self.gradient_as_bucket_view,
-            "find_unused_parameters=True": self.find_unused_parameters and not self.static_graph,
-            "delay_all_reduce_named_params": delayed,
-            "sparse gradients": bool(self._sparse_names),
-        }
-        for name, given in refused.items():
-            if given:
-                raise ValueError(
-                    f"mixed_precision cannot be combined with {name}: gradients change dtype and storage at every "
-                    "forward and bucket (a bucket view cannot stay the gradient, a sparse bucket is the gradient; "
-                    "unused-parameter search and the delayed all-reduce track the full-precision accumulators)."
-                )
         precision.cast_buffers(self.modules_buffers)
         named = self.module.named_parameters()
         casts = ParameterCasts([p for n, p in named if n not in self.parameters_to_ignore], precision.param_dtype,
@@ -232,11 +158,11 @@ class OverlapDDP(nn.Module, Joinable):
             announce_backward_sync(self, self.require_backward_grad_sync)
         if self.device_ids:
             target = torch.device(self.device_type, self.device_ids[0])
-            inputs, kwargs = _map_tensors((inputs, kwargs), lambda t: t.to(target, non_blocking=True))
+            inputs, kwargs = map_tensors((inputs, kwargs), lambda t: t.to(target, non_blocking=True))
         if self._mixed_precision is not None:
             precision, casts = self._mixed_precision
             casts.to_low()
-            inputs, kwargs = _map_tensors((inputs, kwargs), precision.cast_input)
+            inputs, kwargs = map_tensors((inputs, kwargs), precision.cast_input)
         return inputs, kwargs
 
     @torch.compiler.disable
@@ -308,7 +234,7 @@ class OverlapDDP(nn.Module, Joinable):
         module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
         for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
             if name in params_and_buffers_to_ignore:
-                tensor._ddp_ignored = True
+                tensor._ddp_ignored = True  # type: ignore[attr-defined]
 
     # -- DDP's device-placement helpers, kept for scripts that call them --------------------------
 
@@ -318,7 +244,9 @@ class OverlapDDP(nn.Module, Joinable):
         # torch's own helper (DDP's), so lists, named tuples and PackedSequence come back as DDP returns them.
         return to_kwargs(inputs, kwargs, torch.device(self.device_type, device_id))
 
-    def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device_ids: list[int]) -> tuple[tuple, tuple]:
+    def scatter(
+        self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device_ids: list[int]
+    ) -> tuple[tuple, tuple]:
         """Split the inputs along ``dim`` over ``device_ids`` (``torch.nn.parallel.scatter_kwargs``)."""
         return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
 
@@ -339,13 +267,11 @@ class OverlapDDP(nn.Module, Joinable):
         if self._reducer.options.tuned_plan:
             _check_per_bucket_state(state, self._reducer.final_layout_iteration)
         self._reducer.set_comm_hook(state, hook)
-        self._comm_hooks.append((hook, state))
 
     def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
         """DDP's built-in ALLREDUCE and FP16_COMPRESS hooks, with their arithmetic."""
         hook = builtin_hook(comm_hook_type)
         self._reducer.set_comm_hook(self.process_group, hook)
-        self._comm_hooks.append((hook, self.process_group))
 
     # -- the optimizer and the fences ----------------------------------------------------------
 
@@ -404,7 +330,7 @@ class OverlapDDP(nn.Module, Joinable):
     def check_nonfinite_gradients(self, enabled: bool = True) -> None:
         """Debug option: stop every rank, naming the ranks and parameters, when a gradient is NaN or
         Inf, before its bucket is reduced (costs one small all-reduce per bucket)."""
-        self._reducer.check_finite = enabled
+        self._reducer.set_nonfinite_check(enabled)
 
     def bucket_state(self) -> dict[str, Any]:
         """What a checkpoint needs, beside ``state_dict()``, to resume bit-exactly: the bucket layout."""
@@ -424,7 +350,7 @@ class OverlapDDP(nn.Module, Joinable):
 
     def __getstate__(self) -> dict[str, Any]:
         """As DDP: everything but the process group and the reducer (``copy.deepcopy``, ``torch.save``)."""
-        return pickled_state(self.__dict__, self._comm_hooks)
+        return pickled_state(self.__dict__)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """As DDP: bind to the default process group and build a new reducer, as at construction."""
@@ -484,116 +410,6 @@ def _check_per_bucket_state(state: object, final_layout_iteration: int) -> None:
             f"but the buckets change until iteration {final_layout_iteration} (bucket_plan='tuned'); set "
             f"start_powerSGD_iter >= {final_layout_iteration} or use bucket_plan='ddp'."
         )
-
-
-def _resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any | None) -> dist.ProcessGroup:
-    if process_group is not None and device_mesh is not None:
-        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
-    if device_mesh is not None:
-        if device_mesh.ndim != 1:
-            raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
-        return device_mesh.get_group(mesh_dim=0)
-    if process_group is not None:
-        return process_group
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "OverlapDDP needs torch.distributed: call dist.init_process_group(...) first, or pass process_group."
-        )
-    return dist.group.WORLD
-
-
-def _delayed_parameters(
-    module: nn.Module, named: list[tuple[str, nn.Parameter]] | None, hook_param: nn.Parameter | None
-) -> list[tuple[str, torch.Tensor]]:
-    """The (name, parameter) pairs of ``delay_all_reduce_named_params``, checked against the module."""
-    if named is None:
-        return []
-    if isinstance(named, (str, bytes)):
-        raise TypeError("delay_all_reduce_named_params must be a list of (name, parameter) pairs.")
-    by_name = dict(module.named_parameters())
-    chosen = []
-    for entry in named:
-        if not isinstance(entry, (tuple, list)) or len(entry) != 2:
-            raise TypeError(f"delay_all_reduce_named_params must hold (name, parameter) pairs, got {entry!r}.")
-        name, param = entry
-        if by_name.get(name) is not param:
-            raise ValueError(
-                f"delay_all_reduce_named_params: {name!r} does not name that parameter in the module; pass entries "
-                "of module.named_parameters()."
-            )
-        chosen.append((name, param))
-    if not chosen:  # as in DDP, an empty list delays nothing
-        return []
-    if not isinstance(hook_param, torch.Tensor) or not hook_param.requires_grad or not hook_param.is_leaf:
-        raise ValueError("param_to_hook_all_reduce must be a parameter (a leaf tensor) that requires grad.")
-    return chosen
-
-
-def _expects_sparse_gradient(module: nn.Module, params: list[torch.Tensor]) -> list[bool]:
-    """Per parameter, DDP's ``expect_sparse_gradient``: the first module that owns it is an
-    ``Embedding`` or ``EmbeddingBag`` built with ``sparse=True``."""
-    owner: dict[int, nn.Module] = {}
-    for sub in module.modules():
-        for param in sub.parameters(recurse=False):
-            owner.setdefault(id(param), sub)
-    return [
-        isinstance(owner.get(id(p)), (nn.Embedding, nn.EmbeddingBag)) and bool(owner[id(p)].sparse) for p in params
-    ]
-
-
-def _check_parameters(named: list[tuple[str, torch.Tensor]], trainable: list[tuple[str, torch.Tensor]]) -> None:
-    lazy = [n for n, p in named if isinstance(p, nn.parameter.UninitializedParameter)]
-    if lazy:
-        raise RuntimeError(
-            f"Modules with uninitialized parameters can't be used with OverlapDDP ({', '.join(lazy)}). "
-            "Run a dummy forward pass to initialize them first."
-        )
-    if not trainable:
-        raise RuntimeError(
-            "OverlapDDP is not needed when a module doesn't have any parameter that requires a gradient."
-        )
-    device_types = {p.device.type for _, p in named}
-    if len(device_types) != 1:
-        by_type = {t: [n for n, p in named if p.device.type == t][:3] for t in sorted(device_types)}
-        raise ValueError(
-            f"OverlapDDP's input module must be on one type of device, but its parameters are on {by_type}."
-        )
-
-
-def _resolve_devices(
-    device_ids: list[int | torch.device] | None,
-    output_device: int | torch.device | None,
-    named: list[tuple[str, torch.Tensor]],
-) -> tuple[list[int] | None, int | None]:
-    if device_ids is not None and len(device_ids) > 1:
-        raise ValueError("device_ids can only be None or contain a single element.")
-    devices = {p.device for _, p in named}
-    single_gpu = len(devices) == 1 and next(iter(devices)).type != "cpu"
-    if not device_ids or not single_gpu:
-        if device_ids or output_device is not None:
-            raise ValueError(
-                "device_ids and output_device only work with single-device GPU modules, but got "
-                f"device_ids {device_ids}, output_device {output_device}, and module parameters on {devices}."
-            )
-        return None, None
-    ids = [torch.device(d).index if not isinstance(d, int) else d for d in device_ids]
-    out = ids[0] if output_device is None else output_device
-    return ids, (torch.device(out).index if not isinstance(out, int) else out)
-
-
-def _resolve_buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> tuple[bool, bool]:
-    """(runtime buffer broadcast, buffer broadcast at construction), as DDP resolves them."""
-    if broadcast_buffers is not None:
-        warnings.warn(
-            "`broadcast_buffers` is deprecated (as in DDP); use `forward_sync_buffers`. "
-            + ("It is ignored because `forward_sync_buffers` is given." if forward_sync_buffers is not None else ""),
-            FutureWarning,
-            stacklevel=3,
-        )
-    if forward_sync_buffers is not None:
-        return forward_sync_buffers, True
-    effective = True if broadcast_buffers is None else broadcast_buffers
-    return effective, effective
 
 
 def _fence_of(reducer_ref: weakref.ReferenceType[Reducer]) -> Callable[[], Fence]:
@@ -682,17 +498,5 @@ def _end_of_backward_trigger(output: Any, reducer: Reducer) -> Any:
     leaves = [t for t in tensors_in(output) if t.grad_fn is not None]
     if not leaves:
         return output
-    replaced = dict(zip(map(id, leaves), _EndOfBackward.apply(reducer, *leaves)))
-    return _map_tensors(output, lambda t: replaced.get(id(t), t))
-
-
-def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Apply ``fn`` to every tensor in nested lists, tuples (named ones too) and dicts."""
-    if isinstance(tree, torch.Tensor):
-        return fn(tree)
-    if isinstance(tree, (list, tuple)):
-        items = [_map_tensors(x, fn) for x in tree]
-        return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
-    if isinstance(tree, dict):
-        return type(tree)((k, _map_tensors(v, fn)) for k, v in tree.items())
-    return tree
+    replaced = dict(zip(map(id, leaves), _EndOfBackward.apply(reducer, *leaves), strict=True))
+    return map_tensors(output, lambda t: replaced.get(id(t), t))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-from overlapddp import bucket_storage, comm_hook, reducer, wrapper
+from overlapddp import bucket_reduction, bucket_storage, comm_hook, reducer, wrapper
 
 
 def _skip_scaling() -> tuple[object, str, object]:
@@ -110,12 +110,12 @@ def _is_last_never() -> tuple[object, str, object]:
 
 def _unchained_hooks() -> tuple[object, str, object]:
     """Start each bucket's hook as soon as it is ready, not after the previous bucket's hook chain."""
-    original = reducer.run_hook
+    original = bucket_reduction.run_hook
 
     def run_hook(hook, state, bucket, after):
         return original(hook, state, bucket, None)
 
-    return reducer, "run_hook", run_hook
+    return bucket_reduction, "run_hook", run_hook
 
 
 def _join_ignores_remaining_ranks() -> tuple[object, str, object]:

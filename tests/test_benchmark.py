@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.link import LinkState, ring_allreduce_seconds
-from overlapddp import plan_tuner
+from overlapddp.tuning import tuner
 
 REPO = Path(__file__).resolve().parent.parent
 COMPARE = REPO / "benchmarks" / "compare.py"
@@ -104,7 +104,7 @@ def test_beyond_ddp_reports_every_variant_bit_equal_against_ddp_and_the_bound(tm
     rows = mlp["variants"]
     assert list(rows) == expected
     # Warm-up plus repeats x steps, the same for all.
-    assert mlp["steps_per_variant"] == 2 + plan_tuner.TUNING_ITERATIONS + 2 * 1
+    assert mlp["steps_per_variant"] == 2 + tuner.TUNING_ITERATIONS + 2 * 1
     for label, row in rows.items():
         # Same data, same step count, bucket_cap_mb does not change the sum at world size 2.
         if label != "local":

@@ -8,28 +8,35 @@ do not count.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "overlapddp"
 # overlapddp.integrations sits above every layer: only users import it, and only it imports a framework.
 INTEGRATIONS = PACKAGE / "integrations"
+SUBPACKAGES = {"tuning"}
 FRAMEWORKS = {"lightning", "pytorch_lightning", "accelerate", "transformers", "ray"}
 
 # Lowest first; a module may import only from strictly lower layers.
+# A module of a subpackage is named with its package: ``tuning.clock``; ``tuning`` is its ``__init__``.
 LAYERS = [
-    {"device_streams", "torch_compat", "backend_support"},
+    {"device_streams", "torch_compat", "tuning.clock", "backend_support"},
     {"bucket_plan", "bucket_storage", "fence", "comm_hook", "param_usage", "token_weighting", "module_sync",
-     "bucket_unscaler", "sparse_reduction", "clock"},
-    {"tuned_plan", "comm_hook_validation", "timeline", "delayed_reduction", "mixed_precision", "plan_selection"},
-    {"plan_tuner"},
+     "bucket_unscaler", "sparse_reduction"},
+    {"tuning.cost_model", "comm_hook_validation", "timeline", "delayed_reduction", "mixed_precision",
+     "tuning.selection", "bucket_reduction", "gradient_checks"},
+    {"tuning.tuner", "tuning"},
+    {"layout_lifecycle"},  # which layout is in force: initial, DDP's rebuild, tuning, final
     {"reducer"},
     {"optimizer_guard", "optimizer_overlap", "join", "pickling"},
-    {"compile_split"},  # the adapter between Dynamo's graphs and the wrapper (it knows fx, not module hooks)
+    # The adapter between Dynamo's graphs and the wrapper (it knows fx, not module hooks), and the
+    # constructor's steps (validate, resolve, synchronize: it reads the nn.Module).
+    {"compile_split", "construction"},
     {"wrapper"},
     {"testing", "__init__"},
 ]
 # Below the wrapper nothing knows nn.Module or module hooks (the reducer is driven by mark_ready).
-BELOW_THE_WRAPPER = set().union(*LAYERS[:6])
+BELOW_THE_WRAPPER = set().union(*LAYERS[: LAYERS.index({"compile_split", "construction"})])
 
 
 def _runtime_imports(path: Path) -> tuple[set[str], bool]:
@@ -49,11 +56,26 @@ def _runtime_imports(path: Path) -> tuple[set[str], bool]:
             if node.module == "overlapddp":
                 modules |= {alias.name for alias in node.names}
             elif node.module.startswith("overlapddp."):
-                modules.add(node.module.split(".", 1)[1])
+                inner = node.module.split(".", 1)[1]
+                if inner in SUBPACKAGES:  # from overlapddp.tuning import tuner: the module tuning.tuner
+                    modules |= {f"{inner}.{alias.name}" for alias in node.names}
+                else:
+                    modules.add(inner)
             uses_nn |= node.module == "torch.nn" or (node.module == "torch" and any(a.name == "nn" for a in node.names))
         elif isinstance(node, ast.Import):
             uses_nn |= any(alias.name == "torch.nn" for alias in node.names)
     return modules, uses_nn
+
+
+def _core_modules() -> list[Path]:
+    """Every module of the package and its subpackages, the integrations left out."""
+    return sorted(p for p in PACKAGE.rglob("*.py") if INTEGRATIONS not in p.parents)
+
+
+def _name(path: Path) -> str:
+    """``tuning/clock.py`` -> ``tuning.clock``; ``tuning/__init__.py`` -> ``tuning``."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if len(parts) > 1 and parts[-1] == "__init__" else parts)
 
 
 def _layer(module: str) -> int:
@@ -61,16 +83,17 @@ def _layer(module: str) -> int:
 
 
 def test_every_module_has_a_layer():
-    assert {p.stem for p in PACKAGE.glob("*.py")} == set().union(*LAYERS)
+    assert {_name(p) for p in _core_modules()} == set().union(*LAYERS)
 
 
 def test_imports_only_go_down_and_nothing_below_the_wrapper_knows_nn_module():
     upward, nn_users = [], []
-    for path in sorted(PACKAGE.glob("*.py")):
+    for path in _core_modules():
         imported, uses_nn = _runtime_imports(path)
-        upward += [f"{path.stem} -> {m}" for m in sorted(imported) if _layer(m) >= _layer(path.stem)]
-        if uses_nn and path.stem in BELOW_THE_WRAPPER:
-            nn_users.append(path.stem)
+        name = _name(path)
+        upward += [f"{name} -> {m}" for m in sorted(imported) if _layer(m) >= _layer(name)]
+        if uses_nn and name in BELOW_THE_WRAPPER:
+            nn_users.append(name)
     assert upward == [], "imports that do not go down a layer"
     assert nn_users == [], "modules below the wrapper importing torch.nn"
 
@@ -95,11 +118,11 @@ def _external_roots(path: Path) -> set[str]:
 
 
 def test_integrations_are_a_top_layer_and_the_only_modules_importing_a_framework():
-    core = sorted(PACKAGE.glob("*.py"))
+    core = _core_modules()
     into_integrations = [
-        f"{p.stem} -> {m}" for p in core for m in sorted(_runtime_imports(p)[0]) if m.startswith("integrations")
+        f"{_name(p)} -> {m}" for p in core for m in sorted(_runtime_imports(p)[0]) if m.startswith("integrations")
     ]
-    framework_users = [f"{p.stem}: {sorted(_external_roots(p) & FRAMEWORKS)}" for p in core
+    framework_users = [f"{_name(p)}: {sorted(_external_roots(p) & FRAMEWORKS)}" for p in core
                        if _external_roots(p) & FRAMEWORKS]
     assert into_integrations == [], "the package imports its integrations"
     assert framework_users == [], "modules below the integrations import a framework"
@@ -113,3 +136,10 @@ def test_the_check_sees_a_framework_import(tmp_path):
     fake.write_text("import lightning.pytorch as pl\nfrom overlapddp.integrations import lightning\n")
     assert _external_roots(fake) & FRAMEWORKS == {"lightning"}
     assert _runtime_imports(fake)[0] == {"integrations"}
+
+
+def test_the_module_map_in_the_docs_names_every_module():
+    text = (PACKAGE.parent / "docs" / "how_it_works.md").read_text()
+    documented = set(re.findall(r"`([a-z_/]+)\.py`", text))
+    modules = {name.replace(".", "/") for name in set().union(*LAYERS)} - {"__init__", "tuning"}
+    assert sorted(modules - documented) == [], "modules missing from the map in docs/how_it_works.md"

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from overlapddp.bucket_plan import MIB, BucketCaps, BucketPlan, explicit_plan, rebuilt_plan
-from overlapddp.clock import HostClock
-from overlapddp.plan_selection import (
+from overlapddp.tuning.clock import HostClock
+from overlapddp.tuning.selection import (
     FINAL_ITERATIONS,
     SCREENING_ITERATIONS,
     PlanSelection,

@@ -93,7 +93,7 @@ def test_a_missing_released_wait_shows_only_when_the_backward_stream_changes(one
 def test_the_cuda_clock_never_makes_the_communication_stream_wait_for_a_collective(one_rank):
     import torch.distributed as dist
 
-    from overlapddp.clock import CudaClock
+    from overlapddp.tuning.clock import CudaClock
 
     sim = Sim()
     with simulate(sim):

@@ -4,7 +4,7 @@ In training, with the selection's timings injected (they differ per rank): bit-e
 size 2 at every step, through every candidate layout; every rank adopts the layout that is fastest by
 the slowest rank's times, at the same step; the layout survives a checkpoint; and runs where each
 rank adopts its own modelled plan, or picks its own fastest candidate, are caught. The selection
-loop alone is in test_plan_selection.py.
+loop alone is in test_selection.py.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from overlapddp import OverlapDDP, plan_selection, plan_tuner
+from overlapddp import OverlapDDP
+from overlapddp.tuning import selection, tuner
 from overlapddp.bucket_plan import BucketPlan, explicit_plan
-from overlapddp.tuned_plan import (
+from overlapddp.tuning.cost_model import (
     BucketTiming,
     FinalizeFit,
     LinkFit,
@@ -35,10 +36,10 @@ from overlapddp.tuned_plan import (
 from tests import models
 from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
 
-TUNED_FROM = 1 + plan_tuner.CALIBRATION_ITERATIONS  # the first step with a selected candidate (the model's plan)
+TUNED_FROM = 1 + tuner.CALIBRATION_ITERATIONS  # the first step with a selected candidate (the model's plan)
 # Step 0: one bucket; from 1: DDP's rebuilt layout, measured; from TUNED_FROM: each candidate in turn;
 # then the chosen one (one step later with static_graph), at the latest from 1 + TUNING_ITERATIONS.
-STEPS = 2 + plan_tuner.TUNING_ITERATIONS
+STEPS = 2 + tuner.TUNING_ITERATIONS
 # (name, model, optimizer, DDP options): the tuned plan also moves gradient_as_bucket_view's views
 # and follows static_graph's delayed first iteration (reentrant checkpointing).
 CASES = (
@@ -174,8 +175,8 @@ def test_calibration_measures_the_work_after_each_reduction_and_plans_with_it(on
         seen["timings"] = [list(buckets) for buckets in iterations]
         return fit_finalize(iterations)
 
-    monkeypatch.setattr(plan_tuner, "tuned_plan", spy)
-    monkeypatch.setattr(plan_tuner, "fit_finalize", spy_fit)
+    monkeypatch.setattr(tuner, "tuned_plan", spy)
+    monkeypatch.setattr(tuner, "fit_finalize", spy_fit)
     ours = OverlapDDP(models.build("cnn_bn"), bucket_cap_mb=0.01, bucket_plan="tuned")
     opt = models.optimizer("sgd", ours.parameters())
     ours.attach_optimizer(opt, overlap=True)
@@ -184,7 +185,7 @@ def test_calibration_measures_the_work_after_each_reduction_and_plans_with_it(on
         models.loss_of(ours(inputs), target).backward()
         opt.step()
         opt.zero_grad()
-    assert len(seen["timings"]) == plan_tuner.CALIBRATION_ITERATIONS
+    assert len(seen["timings"]) == tuner.CALIBRATION_ITERATIONS
     for buckets in seen["timings"]:  # every gradient counted once, every bucket's work timed
         assert sum(b.tensors for b in buckets) == len(list(ours.parameters()))
         assert all(b.finalize_s > 0 for b in buckets)
@@ -223,12 +224,12 @@ def _expected_selection(world_size: int, count: int, chosen: int) -> tuple[list[
         return [[max(t[c][i] for t in times) for i in range(iterations)] for c in range(len(running))]
 
     running, ran = list(range(count)), []
-    if count > plan_selection.FINALISTS:
-        ran += running * plan_selection.SCREENING_ITERATIONS
-        ranked = plan_selection.ranking(slowest(running, plan_selection.SCREENING_ITERATIONS), min)
-        running = [running[c] for c in ranked[: plan_selection.FINALISTS]]
-    ran += running * plan_selection.FINAL_ITERATIONS
-    return ran, running[plan_selection.ranking(slowest(running, plan_selection.FINAL_ITERATIONS))[0]]
+    if count > selection.FINALISTS:
+        ran += running * selection.SCREENING_ITERATIONS
+        ranked = selection.ranking(slowest(running, selection.SCREENING_ITERATIONS), min)
+        running = [running[c] for c in ranked[: selection.FINALISTS]]
+    ran += running * selection.FINAL_ITERATIONS
+    return ran, running[selection.ranking(slowest(running, selection.FINAL_ITERATIONS))[0]]
 
 
 @contextlib.contextmanager
@@ -237,9 +238,9 @@ def _injected_selection(rank: int, choose: Callable[[int], int], own_pick: bool 
     being the intended winner; yields the list each selection's candidates are appended to. Fault
     ``own_pick``: every rank picks its own winner among the (agreed) finalists."""
     seen: list[list[list[int]]] = []
-    agree_on_ranking = plan_selection.agree_on_ranking
+    agree_on_ranking = selection.agree_on_ranking
 
-    class Injected(plan_selection.PlanSelection):
+    class Injected(selection.PlanSelection):
         def __init__(self, candidates, *args, **kwargs):
             seen.append([[list(members) for members in plan.buckets] for plan in candidates])
             super().__init__(candidates, *args, **kwargs)
@@ -249,12 +250,12 @@ def _injected_selection(rank: int, choose: Callable[[int], int], own_pick: bool 
 
     def own_final_ranking(local, process_group, device, summary):
         agreed = agree_on_ranking(local, process_group, device, summary)  # every rank still joins
-        return plan_selection.ranking(local, summary) if len(local) <= plan_selection.FINALISTS else agreed
+        return selection.ranking(local, summary) if len(local) <= selection.FINALISTS else agreed
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(plan_tuner, "PlanSelection", Injected)
+        patch.setattr(tuner, "PlanSelection", Injected)
         if own_pick:
-            patch.setattr(plan_selection, "agree_on_ranking", own_final_ranking)
+            patch.setattr(selection, "agree_on_ranking", own_final_ranking)
         yield seen
 
 
@@ -262,7 +263,7 @@ def _injected_selection(rank: int, choose: Callable[[int], int], own_pick: bool 
 def _timing_free_model_plan() -> Iterator[None]:
     """The model's plan is computed, then replaced by the parameters in index order cut in three:
     a layout the timings do not change, and unlike any layout of byte caps over the ready order."""
-    planner = plan_tuner.tuned_plan
+    planner = tuner.tuned_plan
 
     def thirds(params, ready, link, finalize):
         planner(params, ready, link, finalize)
@@ -270,7 +271,7 @@ def _timing_free_model_plan() -> Iterator[None]:
         return explicit_plan(params, [range(cut), range(cut, 2 * cut), range(2 * cut, len(params))])
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(plan_tuner, "tuned_plan", thirds)
+        patch.setattr(tuner, "tuned_plan", thirds)
         yield
 
 
@@ -285,16 +286,16 @@ def _train_steps(model: OverlapDDP, opt: torch.optim.Optimizer, name: str, rank:
 def _planned_ready_times(rank: int) -> list[float] | None:
     """Rank 1 reports every gradient ready 5 s into backward; return what rank 0 planned with."""
     seen: dict[str, list[float]] = {}
-    planner = plan_tuner.tuned_plan
+    planner = tuner.tuned_plan
 
     def spy(params, ready, link, finalize):
         seen["ready"] = list(ready)
         return planner(params, ready, link, finalize)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(plan_tuner, "tuned_plan", spy)
+        patch.setattr(tuner, "tuned_plan", spy)
         if rank == 1:
-            patch.setattr(plan_tuner.PlanTuner, "_median_ready", lambda self: [5.0] * len(self._params))
+            patch.setattr(tuner.PlanTuner, "_median_ready", lambda self: [5.0] * len(self._params))
         ours = OverlapDDP(models.build("cnn_bn"), bucket_cap_mb=0.01, bucket_plan="tuned")
         _train_steps(ours, models.optimizer("sgd", ours.parameters()), "cnn_bn", rank, range(TUNED_FROM + 1))
     return seen.get("ready")
@@ -305,7 +306,7 @@ def _powersgd_over_the_tuned_plan(rank: int) -> str:
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
     model = OverlapDDP(models.build("cnn_bn"), bucket_cap_mb=0.01, bucket_plan="tuned")
-    final = 1 + plan_tuner.TUNING_ITERATIONS
+    final = 1 + tuner.TUNING_ITERATIONS
     early = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=final - 1)
     try:
         model.register_comm_hook(early, powersgd.powerSGD_hook)
@@ -324,7 +325,7 @@ def _powersgd_over_the_tuned_plan(rank: int) -> str:
 def _own_plan_fault(rank: int) -> Iterator[None]:
     """Fault: rank 1 does not adopt rank 0's modelled layout as sent; it orders each bucket's members
     its own way (same bucket sizes, so the collectives run, but they sum mismatched values)."""
-    agree = plan_tuner.PlanTuner.agree
+    agree = tuner.PlanTuner.agree
 
     def own_order(self, process_group, device):
         plan = agree(self, process_group, device)
@@ -333,7 +334,7 @@ def _own_plan_fault(rank: int) -> Iterator[None]:
         return plan
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(plan_tuner.PlanTuner, "agree", own_order)
+        patch.setattr(tuner.PlanTuner, "agree", own_order)
         yield
 
 
@@ -389,8 +390,8 @@ def _settled_at(case: str, candidates: int) -> int:
     """The step whose forward installs the final layout: after DDP's rebuild (step 1, 2 with a
     static graph), the calibration, and the selection's iterations (none for a single candidate)."""
     rebuilt = 2 if "static" in case else 1
-    selection = len(_expected_selection(2, candidates, candidates - 1)[0]) if candidates > 1 else 0
-    return rebuilt + plan_tuner.CALIBRATION_ITERATIONS + selection
+    selected = len(_expected_selection(2, candidates, candidates - 1)[0]) if candidates > 1 else 0
+    return rebuilt + tuner.CALIBRATION_ITERATIONS + selected
 
 
 def _same_on_every_rank(layouts: list[object], what: str) -> None:
@@ -452,7 +453,7 @@ def test_rank_0_plans_with_the_slowest_ranks_ready_times():
 
 def test_powersgd_must_start_after_the_tuned_layout_is_final():
     for result in trained(2):
-        assert f"set start_powerSGD_iter >= {1 + plan_tuner.TUNING_ITERATIONS}" in result["powersgd_refusal"]
+        assert f"set start_powerSGD_iter >= {1 + tuner.TUNING_ITERATIONS}" in result["powersgd_refusal"]
 
 
 def _final_layout(rank: int, own_pick: bool) -> list[list[int]]:

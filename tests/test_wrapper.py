@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import inspect
 import warnings
@@ -14,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
+from overlapddp.param_usage import map_tensors, tensors_in
 from overlapddp.torch_compat import ddp_accepts
 from tests import models
 from tests.multiprocess import run_ranks
@@ -278,3 +280,37 @@ def test_set_static_graph_after_a_backward_or_a_loaded_layout_is_refused(one_ran
     resumed.load_bucket_state(model.bucket_state())
     with pytest.raises(RuntimeError, match="before load_bucket_state"):
         resumed._set_static_graph()
+
+
+@dataclasses.dataclass
+class _Output:
+    logits: torch.Tensor
+    extra: dict
+
+
+def test_one_walk_finds_and_maps_tensors_in_dataclasses_named_tuples_and_dicts():
+    pair = collections.namedtuple("pair", "a b")
+    a, b, c = torch.ones(1), torch.zeros(1), torch.full((1,), 2.0)
+    tree = [pair(a, {"k": _Output(b, {"c": c})}), "text", 3]
+    assert [t is x for t, x in zip(tensors_in(tree), (a, b, c))] == [True, True, True]
+    doubled = map_tensors(tree, lambda t: t * 2)
+    assert isinstance(doubled[0], pair) and isinstance(doubled[0].b["k"], _Output)
+    assert [t.item() for t in tensors_in(doubled)] == [2.0, 0.0, 4.0] and doubled[1:] == ["text", 3]
+    assert map_tensors(tree, lambda t: t) is tree  # nothing changed: nothing rebuilt
+
+
+class _DataclassNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> _Output:
+        return _Output(self.linear(x), {})
+
+
+def test_static_graph_first_iteration_is_reduced_for_a_dataclass_output(one_rank):
+    # The end-of-backward trigger must reach the tensors inside a dataclass, or iteration 1 is never reduced.
+    model = OverlapDDP(_DataclassNet(), static_graph=True)
+    for step in range(2):
+        model(torch.ones(3, 4)).logits.sum().backward()
+        assert model._reducer.reductions == step + 1

@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from overlapddp import OverlapDDP, plan_tuner
-from overlapddp.clock import CudaClock, clock_for
+from overlapddp import OverlapDDP
+from overlapddp.tuning import tuner
+from overlapddp.tuning.clock import CudaClock, clock_for
 from tests import models
 from tests.gpu.scenarios import BACKENDS, group_for, world_size_of
 from tests.multiprocess import run_ranks
@@ -72,7 +73,7 @@ def _tuned_on_cuda(rank: int, world_size: int, backend: str) -> dict[str, object
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, ours)]
     ours.attach_optimizer(optimizers[1], overlap=True)
     equal, layouts = [], []
-    for step in range(2 + plan_tuner.TUNING_ITERATIONS):
+    for step in range(2 + tuner.TUNING_ITERATIONS):
         inputs, target = (t.to(device) for t in models.batch("cnn_bn", rank, step))
         for wrapper, opt in zip((ddp, ours), optimizers):
             models.loss_of(wrapper(inputs), target).backward()

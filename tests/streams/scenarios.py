@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from overlapddp import OverlapDDP
-from overlapddp.clock import CudaClock
+from overlapddp.tuning.clock import CudaClock
 from overlapddp.fence import CudaFence
 from tests.streams.backends import simulate
 from tests.streams.sim import Sim, SimKit
@@ -81,7 +81,7 @@ def net(width: int = 8) -> nn.Module:
 def cuda(sim: Sim, model: OverlapDDP) -> OverlapDDP:
     """Put ``model`` on its CUDA branch: the CUDA fence (and, where used, clock and token count)."""
     model._reducer.replace_fence(CudaFence(CPU, kit=SimKit(sim)))
-    tuner = getattr(model._reducer, "_tuner", None)
+    tuner = getattr(model._reducer._layouts, "_tuner", None)
     if tuner is not None:
         tuner._clock = CudaClock(CPU)
     return model

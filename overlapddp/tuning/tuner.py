@@ -1,5 +1,5 @@
 """Measure, model, then select: the stateful half of ``bucket_plan="tuned"`` (the planning is
-tuned_plan.py, the selection plan_selection.py).
+cost_model.py, the selection selection.py).
 
 After DDP's own rebuild, the reducer reports a few synchronized iterations here (calibration): when
 each gradient was marked ready, when each bucket launched and completed, and how long the work after
@@ -8,7 +8,7 @@ the device's clock (clock.py: CUDA events on GPUs). Then, at a forward that ever
 same iteration count, the ranks share their ready times (a gradient counts as ready when the slowest
 rank had it), rank 0 plans from them and its own link and work measurements, and broadcasts the
 layout. That plan is one candidate of a selection that runs each candidate layout for a few real
-iterations and keeps the fastest (plan_selection.py), agreed by every rank. A rank that joined
+iterations and keeps the fastest (selection.py), agreed by every rank. A rank that joined
 (uneven inputs) counts the iterations it shadows, so every collective is issued by every rank at the
 same point.
 
@@ -20,15 +20,15 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Callable, Sequence
+from typing import Callable, Sequence, cast
 
 import torch
 import torch.distributed as dist
 
 from overlapddp.bucket_plan import BucketPlan, explicit_plan
-from overlapddp.clock import Stamp, clock_for
-from overlapddp.plan_selection import MAX_SELECTION_ITERATIONS, PlanSelection, candidate_layouts
-from overlapddp.tuned_plan import BucketTiming, fit_finalize, fit_link, tuned_plan
+from overlapddp.tuning.clock import Stamp, clock_for
+from overlapddp.tuning.selection import MAX_SELECTION_ITERATIONS, PlanSelection, candidate_layouts
+from overlapddp.tuning.cost_model import BucketTiming, fit_finalize, fit_link, tuned_plan
 
 CALIBRATION_ITERATIONS = 2  # measured synchronized iterations after DDP's rebuild
 # Synchronized iterations after DDP's rebuild until the layout is final, at the latest.
@@ -99,25 +99,28 @@ class PlanTuner:
     def end_iteration(self) -> None:
         """Every bucket was completed (finalize); keep this iteration's timings if measured."""
         self._ended = True
-        if self._origin is None:
+        origin = self._origin
+        if origin is None:
             return
 
         def read(stamps: list[Stamp]) -> list[float]:
-            return self._clock.seconds(self._origin, stamps)
+            return self._clock.seconds(origin, stamps)
 
         buckets, finalize = self._current_buckets, self._current_finalize
         marked = [i for i, stamp in enumerate(self._current_ready) if stamp is not None]
         ready = [math.nan] * len(self._params)
-        for i, seconds in zip(marked, read([self._current_ready[i] for i in marked])):
+        stamps = [cast(Stamp, self._current_ready[i]) for i in marked]
+        for i, seconds in zip(marked, read(stamps), strict=True):
             ready[i] = seconds
         launched, finished = read([b[2] for b in buckets]), read([b[3] for b in buckets])
-        work = [end - start for start, end in zip(read([f[0] for f in finalize]), read([f[1] for f in finalize]))]
+        starts, ends = read([f[0] for f in finalize]), read([f[1] for f in finalize])
+        work = [end - start for start, end in zip(starts, ends, strict=True)]
         work += [0.0] * (len(buckets) - len(work))
         first = min((t for t in ready if not math.isnan(t)), default=0.0)
         self._ready.append([t - first for t in ready])
         self._buckets.append([
             BucketTiming(n, start, max(done, start), host_s, tensors, seconds)
-            for (n, tensors, _, _, host_s), start, done, seconds in zip(buckets, launched, finished, work)
+            for (n, tensors, _, _, host_s), start, done, seconds in zip(buckets, launched, finished, work, strict=False)
         ])
         self._origin = None
         self._seen += 1
@@ -211,7 +214,8 @@ class PlanTuner:
         iteration (unused there) counts as ready first, as DDP's layout treats unused parameters."""
         if not self._ready:
             return [0.0] * len(self._params)
-        return [statistics.median(0.0 if math.isnan(t) else t for t in times) for times in zip(*self._ready)]
+        per_gradient = zip(*self._ready, strict=False)
+        return [statistics.median(0.0 if math.isnan(t) else t for t in times) for times in per_gradient]
 
     def _plan(self, ready: list[float]) -> BucketPlan | None:
         if not self._ready or not any(self._buckets):

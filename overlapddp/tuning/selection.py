@@ -1,6 +1,6 @@
 """Which layout is fastest? Run each candidate for a few iterations and keep the fastest.
 
-The model-based plan (tuned_plan.py) can be wrong, so it is only one candidate. The others are the
+The model-based plan (cost_model.py) can be wrong, so it is only one candidate. The others are the
 layouts a user could pick by hand, over the same gradient-ready order (DDP's rebuild): the one in
 force (the user's caps), DDP's default (a 1 MiB first bucket, then 25 MiB), and caps of 1 and 5 MiB;
 each layout counted once. The loop, driven from the reducer at every grad-enabled forward:
@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from overlapddp.bucket_plan import MIB, BucketCaps, BucketPlan, rebuilt_plan
-from overlapddp.clock import HostClock, Stamp
+from overlapddp.tuning.clock import HostClock, Stamp
 
 SCREENING_ITERATIONS = 2  # enough to drop a layout that is clearly slower
 FINALISTS = 2

@@ -11,7 +11,7 @@ except when the timings are read, once per measured iteration or selection phase
 from __future__ import annotations
 
 import time
-from typing import Sequence, Union
+from typing import Sequence, Union, cast
 
 import torch
 
@@ -34,7 +34,12 @@ class HostClock:
         """Each stamp's time from ``origin``; a completion whose callback has not run yet counts as
         now (it may run just after the waiter woke)."""
         now = time.perf_counter()
-        return [(min(s, default=now) if isinstance(s, list) else s) - origin for s in stamps]
+        return [self.host_time(s, now) - origin for s in stamps]  # type: ignore[operator]
+
+    @staticmethod
+    def host_time(stamp: Stamp, now: float) -> float:
+        """The host time of a stamp of this clock; a completion not seen yet counts as ``now``."""
+        return min(stamp, default=now) if isinstance(stamp, list) else stamp  # type: ignore[return-value]
 
 
 class CudaClock(HostClock):
@@ -63,7 +68,8 @@ class CudaClock(HostClock):
     def seconds(self, origin: Stamp, stamps: Sequence[Stamp]) -> list[float]:
         """Waits for every stamped event (the host blocks here, once per read)."""
         torch.cuda.synchronize(self._device)
-        return [origin.elapsed_time(s) / 1e3 for s in stamps]
+        start = cast(torch.cuda.Event, origin)
+        return [start.elapsed_time(cast(torch.cuda.Event, s)) / 1e3 for s in stamps]
 
 
 def clock_for(device: torch.device) -> HostClock:

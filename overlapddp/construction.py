@@ -1,0 +1,322 @@
+"""What does ``OverlapDDP(module, ...)`` resolve to? The constructor's steps: validate, resolve, synchronize.
+
+:func:`resolve` checks every argument (each feature combination in :data:`_COMBINATIONS`, one
+table) and resolves DDP's arguments to what the wrapper keeps, without any collective, so that a
+bad argument fails on every rank before any rank waits on another. :func:`synchronize` then runs the
+init-time collectives (DDP's): the delayed parameters' broadcast, the parameter check and the
+broadcast of rank 0's state. The wrapper builds the reducer and its hooks from the result.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from overlapddp.backend_support import refuse_unsupported
+from overlapddp.bucket_plan import BucketCaps
+from overlapddp.delayed_reduction import DelayedReduction
+from overlapddp.mixed_precision import MixedPrecision
+from overlapddp.module_sync import broadcast_coalesced, verify_same_parameters
+from overlapddp.pickling import ReducerRecipe
+from overlapddp.reducer import ReducerOptions
+
+# "ddp": DDP's exact layout (bit-equal at every world size); "tuned": the fastest of a modelled plan
+# (tuning/cost_model.py) and DDP's fixed layouts, by measurement (tuning/selection.py).
+BUCKET_PLANS = ("ddp", "tuned")
+# Warnings are issued from here, two frames below the user's OverlapDDP(...) call.
+_USER_FRAME = 3
+
+
+@dataclass
+class Arguments:
+    """DDP's constructor arguments as given (and ``bucket_plan``), less the module."""
+
+    device_ids: list[int | torch.device] | None = None
+    output_device: int | torch.device | None = None
+    dim: int = 0
+    broadcast_buffers: bool | None = None
+    init_sync: bool = True
+    process_group: dist.ProcessGroup | None = None
+    bucket_cap_mb: float | None = None
+    find_unused_parameters: bool = False
+    check_reduction: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    delay_all_reduce_named_params: list[tuple[str, nn.Parameter]] | None = None
+    param_to_hook_all_reduce: nn.Parameter | None = None
+    mixed_precision: Any | None = None
+    device_mesh: Any | None = None
+    skip_all_reduce_unused_params: bool = False
+    bucket_cap_mb_list: list[int] | None = None
+    batched_grad_copy: bool = False
+    forward_sync_buffers: bool | None = None
+    bucket_plan: str = "ddp"
+
+
+@dataclass
+class Construction:
+    """What the arguments resolve to: everything the wrapper keeps and builds from."""
+
+    process_group: dist.ProcessGroup
+    ignored: set[str]  # names DDP leaves alone (the module's list, and the delayed parameters)
+    trainable: list[tuple[str, torch.Tensor]]  # reduced in buckets, in module order
+    delayed: list[tuple[str, torch.Tensor]]  # delay_all_reduce_named_params, checked
+    buffers: list[torch.Tensor]
+    device_ids: list[int] | None
+    output_device: int | None
+    forward_sync_buffers: bool
+    init_sync_buffers: bool
+    sparse_names: list[str]
+    precision: MixedPrecision | None
+    recipe: ReducerRecipe
+    synchronized: list[torch.Tensor] = field(default_factory=list)  # parameters rank 0 broadcasts at init
+
+    @property
+    def device(self) -> torch.device:
+        return self.trainable[0][1].device
+
+
+@dataclass(frozen=True)
+class _Features:
+    """The flags the combination rules read."""
+
+    args: Arguments
+    delayed: bool
+    sparse_names: list[str]
+
+    @property
+    def tuned(self) -> bool:
+        return self.args.bucket_plan == "tuned"
+
+    @property
+    def dynamic_unused(self) -> bool:
+        return self.args.find_unused_parameters and not self.args.static_graph
+
+
+def _mixed_precision_refused(name: str) -> str:
+    return (
+        f"mixed_precision cannot be combined with {name}: gradients change dtype and storage at every "
+        "forward and bucket (a bucket view cannot stay the gradient, a sparse bucket is the gradient; "
+        "unused-parameter search and the delayed all-reduce track the full-precision accumulators)."
+    )
+
+
+# Every feature combination OverlapDDP refuses, checked in this order: (applies, exception, message).
+_COMBINATIONS: list[tuple[Callable[[_Features], bool], type[Exception], Callable[[_Features], str]]] = [
+    (lambda f: f.tuned and bool(f.sparse_names), ValueError, lambda f: (
+        "bucket_plan='tuned' groups gradients into flat buffers, but "
+        f"{', '.join(f.sparse_names)} produce sparse gradients, which DDP's layout "
+        "keeps alone in their buckets; use bucket_plan='ddp'.")),
+    (lambda f: f.tuned and f.dynamic_unused, ValueError, lambda f: (
+        "bucket_plan='tuned' re-plans the buckets after DDP's ready-order rebuild, which "
+        "find_unused_parameters=True never does on a dynamic graph; use bucket_plan='ddp', or "
+        "static_graph=True if the graph does not change.")),
+    (lambda f: f.args.mixed_precision is not None and f.args.gradient_as_bucket_view, ValueError,
+     lambda f: _mixed_precision_refused("gradient_as_bucket_view=True")),
+    (lambda f: f.args.mixed_precision is not None and f.dynamic_unused, ValueError,
+     lambda f: _mixed_precision_refused("find_unused_parameters=True")),
+    (lambda f: f.args.mixed_precision is not None and f.delayed, ValueError,
+     lambda f: _mixed_precision_refused("delay_all_reduce_named_params")),
+    (lambda f: f.args.mixed_precision is not None and bool(f.sparse_names), ValueError,
+     lambda f: _mixed_precision_refused("sparse gradients")),
+]
+
+
+def resolve(module: nn.Module, args: Arguments) -> Construction:
+    """Validate and resolve every argument; no collective runs here."""
+    if (args.delay_all_reduce_named_params is None) != (args.param_to_hook_all_reduce is None):
+        raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce need to be set at the same time.")
+    precision = None if args.mixed_precision is None else MixedPrecision(args.mixed_precision)
+    delayed = _delayed_parameters(module, args.delay_all_reduce_named_params, args.param_to_hook_all_reduce)
+    if args.check_reduction:
+        warnings.warn(
+            "The `check_reduction` argument is deprecated (as in DDP) and has no effect.",
+            FutureWarning,
+            stacklevel=_USER_FRAME,
+        )
+    group = _resolve_group(args.process_group, args.device_mesh)
+    ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    ignored |= {name for name, _ in delayed}  # as in DDP: they leave the buckets and the init sync
+    named: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in module.named_parameters() if n not in ignored]
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    if delayed and not trainable:
+        raise NotImplementedError(
+            "Every parameter that requires grad is in delay_all_reduce_named_params; OverlapDDP completes the "
+            "delayed all-reduce at the end of its buckets' backward, so leave at least one parameter out of it."
+        )
+    _check_parameters(named, trainable)
+    device_ids, output_device = _resolve_devices(args.device_ids, args.output_device, named)
+    forward_sync, init_sync_buffers = _resolve_buffer_sync(args.broadcast_buffers, args.forward_sync_buffers)
+    caps = BucketCaps.from_user(args.bucket_cap_mb, args.bucket_cap_mb_list)
+    sparse = _expects_sparse_gradient(module, [p for _, p in trainable])
+    sparse_names = [n for (n, _), s in zip(trainable, sparse, strict=True) if s]
+    refuse_unsupported(group, trainable[0][1].device, sparse_names)
+    _check_combinations(args, _Features(args, bool(delayed), sparse_names))
+    recipe = ReducerRecipe(tuple(n for n, _ in trainable), caps, tuple(sparse), _reducer_options(args))
+    buffers = [b for n, b in module.named_buffers() if n not in ignored]
+    return Construction(
+        group, ignored, trainable, delayed, buffers, device_ids, output_device, forward_sync, init_sync_buffers,
+        sparse_names, precision, recipe, synchronized=[p.detach() for _, p in named],
+    )
+
+
+def _reducer_options(args: Arguments) -> ReducerOptions:
+    return ReducerOptions(
+        find_unused_parameters=args.find_unused_parameters,
+        static_graph=args.static_graph,
+        gradient_as_bucket_view=args.gradient_as_bucket_view,
+        batched_grad_copy=args.batched_grad_copy,
+        skip_all_reduce_unused_params=args.skip_all_reduce_unused_params,
+        tuned_plan=args.bucket_plan == "tuned",
+    )
+
+
+def _check_combinations(args: Arguments, features: _Features) -> None:
+    if args.static_graph and args.find_unused_parameters:
+        warnings.warn(
+            "You passed find_unused_parameters=true to OverlapDDP with static_graph enabled; with a "
+            "static graph unused parameters are found in the first iteration, so it is not needed.",
+            UserWarning,
+            stacklevel=_USER_FRAME + 1,
+        )
+    if args.bucket_plan not in BUCKET_PLANS:
+        raise ValueError(
+            f"bucket_plan must be one of {', '.join(map(repr, BUCKET_PLANS))}, got {args.bucket_plan!r}."
+        )
+    for applies, error, message in _COMBINATIONS:
+        if applies(features):
+            raise error(message(features))
+
+
+def synchronize(construction: Construction, init_sync: bool) -> DelayedReduction | None:
+    """DDP's init-time collectives: the delayed parameters from rank 0 (whatever ``init_sync`` says,
+    as DDP does), then, with ``init_sync``, the parameter check and rank 0's state (buffers too
+    unless ``forward_sync_buffers=False`` said otherwise)."""
+    group = construction.process_group
+    delayed = None
+    if construction.delayed:
+        params, names = [p for _, p in construction.delayed], [n for n, _ in construction.delayed]
+        delayed = DelayedReduction(params, names, group)
+        broadcast_coalesced([p.detach() for p in params], 0, group)
+    if init_sync:
+        verify_same_parameters([n for n, _ in construction.trainable], [p for _, p in construction.trainable], group)
+        states = list(construction.synchronized)
+        if construction.init_sync_buffers:
+            states += construction.buffers
+        broadcast_coalesced(states, 0, group)
+    return delayed
+
+
+def _resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any | None) -> dist.ProcessGroup:
+    if process_group is not None and device_mesh is not None:
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+    if device_mesh is not None:
+        if device_mesh.ndim != 1:
+            raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+        return device_mesh.get_group(mesh_dim=0)
+    if process_group is not None:
+        return process_group
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "OverlapDDP needs torch.distributed: call dist.init_process_group(...) first, or pass process_group."
+        )
+    return cast(dist.ProcessGroup, dist.group.WORLD)  # initialized, so never None
+
+
+def _delayed_parameters(
+    module: nn.Module, named: list[tuple[str, nn.Parameter]] | None, hook_param: nn.Parameter | None
+) -> list[tuple[str, torch.Tensor]]:
+    """The (name, parameter) pairs of ``delay_all_reduce_named_params``, checked against the module."""
+    if named is None:
+        return []
+    if isinstance(named, (str, bytes)):
+        raise TypeError("delay_all_reduce_named_params must be a list of (name, parameter) pairs.")
+    by_name = dict(module.named_parameters())
+    chosen: list[tuple[str, torch.Tensor]] = []
+    for entry in named:
+        if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+            raise TypeError(f"delay_all_reduce_named_params must hold (name, parameter) pairs, got {entry!r}.")
+        name, param = entry
+        if by_name.get(name) is not param:
+            raise ValueError(
+                f"delay_all_reduce_named_params: {name!r} does not name that parameter in the module; pass entries "
+                "of module.named_parameters()."
+            )
+        chosen.append((name, param))
+    if not chosen:  # as in DDP, an empty list delays nothing
+        return []
+    if not isinstance(hook_param, torch.Tensor) or not hook_param.requires_grad or not hook_param.is_leaf:
+        raise ValueError("param_to_hook_all_reduce must be a parameter (a leaf tensor) that requires grad.")
+    return chosen
+
+
+def _expects_sparse_gradient(module: nn.Module, params: list[torch.Tensor]) -> list[bool]:
+    """Per parameter, DDP's ``expect_sparse_gradient``: the first module that owns it is an
+    ``Embedding`` or ``EmbeddingBag`` built with ``sparse=True``."""
+    owner: dict[int, nn.Module] = {}
+    for sub in module.modules():
+        for param in sub.parameters(recurse=False):
+            owner.setdefault(id(param), sub)
+    return [
+        isinstance(owner.get(id(p)), (nn.Embedding, nn.EmbeddingBag)) and bool(owner[id(p)].sparse) for p in params
+    ]
+
+
+def _check_parameters(named: list[tuple[str, torch.Tensor]], trainable: list[tuple[str, torch.Tensor]]) -> None:
+    lazy = [n for n, p in named if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise RuntimeError(
+            f"Modules with uninitialized parameters can't be used with OverlapDDP ({', '.join(lazy)}). "
+            "Run a dummy forward pass to initialize them first."
+        )
+    if not trainable:
+        raise RuntimeError(
+            "OverlapDDP is not needed when a module doesn't have any parameter that requires a gradient."
+        )
+    device_types = {p.device.type for _, p in named}
+    if len(device_types) != 1:
+        by_type = {t: [n for n, p in named if p.device.type == t][:3] for t in sorted(device_types)}
+        raise ValueError(
+            f"OverlapDDP's input module must be on one type of device, but its parameters are on {by_type}."
+        )
+
+
+def _resolve_devices(
+    device_ids: list[int | torch.device] | None,
+    output_device: int | torch.device | None,
+    named: list[tuple[str, torch.Tensor]],
+) -> tuple[list[int] | None, int | None]:
+    if device_ids is not None and len(device_ids) > 1:
+        raise ValueError("device_ids can only be None or contain a single element.")
+    devices = {p.device for _, p in named}
+    single_gpu = len(devices) == 1 and next(iter(devices)).type != "cpu"
+    if not device_ids or not single_gpu:
+        if device_ids or output_device is not None:
+            raise ValueError(
+                "device_ids and output_device only work with single-device GPU modules, but got "
+                f"device_ids {device_ids}, output_device {output_device}, and module parameters on {devices}."
+            )
+        return None, None
+    ids = [torch.device(d).index if not isinstance(d, int) else d for d in device_ids]
+    out = ids[0] if output_device is None else output_device
+    return ids, (torch.device(out).index if not isinstance(out, int) else out)  # type: ignore[return-value]
+
+
+def _resolve_buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> tuple[bool, bool]:
+    """(runtime buffer broadcast, buffer broadcast at construction), as DDP resolves them."""
+    if broadcast_buffers is not None:
+        warnings.warn(
+            "`broadcast_buffers` is deprecated (as in DDP); use `forward_sync_buffers`. "
+            + ("It is ignored because `forward_sync_buffers` is given." if forward_sync_buffers is not None else ""),
+            FutureWarning,
+            stacklevel=_USER_FRAME + 1,
+        )
+    if forward_sync_buffers is not None:
+        return forward_sync_buffers, True
+    effective = True if broadcast_buffers is None else broadcast_buffers
+    return effective, effective
