@@ -268,6 +268,16 @@ class OverlapDDP(nn.Module, Joinable):
             _check_per_bucket_state(state, self._reducer.final_layout_iteration)
         self._reducer.set_comm_hook(state, hook)
 
+    @property
+    def _comm_hooks(self) -> list[tuple[CommHook, object]]:
+        """DDP's record of the user's hook as ``[(hook, state)]``, read from the reducer's one copy
+        (mixed precision's own reduction is not a user hook, as in DDP)."""
+        registered = self._reducer.comm_hook
+        if registered is None or self._mixed_precision is not None:
+            return []
+        state, hook = registered
+        return [(hook, state)]
+
     def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
         """DDP's built-in ALLREDUCE and FP16_COMPRESS hooks, with their arithmetic."""
         hook = builtin_hook(comm_hook_type)

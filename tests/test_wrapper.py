@@ -233,6 +233,16 @@ def test_to_kwargs_returns_what_ddp_returns(one_rank):
         assert repr(mine) == repr(theirs)  # same nesting, same values
 
 
+def test_comm_hooks_record_the_registered_hook_as_ddp_does(one_rank):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp, ours = DistributedDataParallel(nn.Linear(3, 3)), OverlapDDP(nn.Linear(3, 3))
+    assert ours._comm_hooks == ddp._comm_hooks == []
+    for wrapper in (ddp, ours):
+        wrapper.register_comm_hook(None, default_hooks.allreduce_hook)
+    assert ours._comm_hooks == ddp._comm_hooks == [(default_hooks.allreduce_hook, None)]
+
+
 def test_set_params_and_buffers_to_ignore_marks_the_module_as_ddp_does(one_rank):
     marked = []
     for wrapper in (DistributedDataParallel, OverlapDDP):
