@@ -25,7 +25,7 @@ from overlapddp.comm_hook import CommHook
 from overlapddp.comm_hook_validation import builtin_hook, check_comm_hook
 from overlapddp.compile_split import GraphSplitter, in_compiled_autograd
 from overlapddp.delayed_reduction import DelayedReduction
-from overlapddp.fence import FenceLog
+from overlapddp.fence import Fence, FenceLog
 from overlapddp.join import OverlapJoinHook, announce_backward_sync, common_rank
 from overlapddp.mixed_precision import MixedPrecision, ParameterCasts, ReduceInPrecision, reduce_in_precision_hook
 from overlapddp.module_sync import broadcast_coalesced
@@ -121,7 +121,8 @@ class OverlapDDP(nn.Module, Joinable):
         buckets reduced in the reduce dtype by a comm hook (so, as in DDP, no other hook can be registered)."""
         precision.cast_buffers(self.modules_buffers)
         named = self.module.named_parameters()
-        casts = ParameterCasts([p for n, p in named if n not in self.parameters_to_ignore], precision.param_dtype)
+        casts = ParameterCasts([p for n, p in named if n not in self.parameters_to_ignore], precision.param_dtype,
+                               _fence_of(weakref.ref(self._reducer)))
         self._reducer.set_comm_hook(ReduceInPrecision(precision, casts, self.process_group), reduce_in_precision_hook)
         self._mixed_precision = (precision, casts)
 
@@ -418,6 +419,16 @@ def _check_per_bucket_state(state: object, final_layout_iteration: int) -> None:
         )
 
 
+def _fence_of(reducer_ref: weakref.ReferenceType[Reducer]) -> Callable[[], Fence]:
+    """The fence the reducer holds when called (a test may replace it), without keeping the reducer alive."""
+
+    def fence() -> Fence:
+        reducer = reducer_ref()
+        return reducer.fence if reducer is not None else Fence()
+
+    return fence
+
+
 def _register_ready_hooks(reducer: Reducer, params: list[torch.Tensor]) -> list[Any]:
     """One post-accumulate-grad hook per parameter; the last launch queues finalize once per backward.
 
@@ -446,7 +457,7 @@ def _register_delayed_hooks(reducer: Reducer, delayed: DelayedReduction, hook_pa
         def arrived(_: torch.Tensor) -> None:
             live = reducer_ref()
             if live is not None and live.delayed is not None:
-                live.delayed.gradient_ready(index)
+                live.delayed.gradient_ready(index, live.fence)
 
         return arrived
 
