@@ -109,6 +109,13 @@ class BucketStorage:
             if divide_by is not None:
                 self.buffer.div_(divide_by)
 
+    def drop_aliased_grads(self) -> None:
+        """After an abandoned reduction: a ``param.grad`` that is this bucket's view is set to None, since
+        the collective may still write it (its value is undefined) and a later accumulation would race it."""
+        for slot, param in enumerate(self.params):
+            if self.aliases(slot, param.grad):
+                param.grad = None
+
     def point_grads_at_views(self) -> None:
         """Make each defined ``param.grad`` its bucket view (``gradient_as_bucket_view``)."""
         for param, view in zip(self.params, self.views, strict=True):

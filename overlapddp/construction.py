@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from overlapddp.backend_support import refuse_unsupported
 from overlapddp.bucket_plan import BucketCaps
 from overlapddp.delayed_reduction import DelayedReduction
 from overlapddp.mixed_precision import MixedPrecision
@@ -154,6 +155,7 @@ def resolve(module: nn.Module, args: Arguments) -> Construction:
     caps = BucketCaps.from_user(args.bucket_cap_mb, args.bucket_cap_mb_list)
     sparse = _expects_sparse_gradient(module, [p for _, p in trainable])
     sparse_names = [n for (n, _), s in zip(trainable, sparse, strict=True) if s]
+    refuse_unsupported(group, trainable[0][1].device, sparse_names)
     _check_combinations(args, _Features(args, bool(delayed), sparse_names))
     recipe = ReducerRecipe(tuple(n for n, _ in trainable), caps, tuple(sparse), _reducer_options(args))
     buffers = [b for n, b in module.named_buffers() if n not in ignored]

@@ -58,8 +58,10 @@ class DelayedReduction:
         fence.launch(FENCE_KEY, lambda: dist.all_reduce(buffer, group=self._process_group, async_op=True).get_future())
         self._launched = True
 
-    def gradient_ready(self, index: int) -> None:
-        """Delayed parameter ``index`` received a gradient; after the launch it would be lost."""
+    def gradient_ready(self, index: int, fence: Fence) -> None:
+        """Delayed parameter ``index`` received a gradient (on the current stream, which the launch's
+        copy-in then waits for); after the launch it would be lost."""
+        fence.gradient_ready(FENCE_KEY)
         if self._launched:
             self._late.append(self.names[index])
 

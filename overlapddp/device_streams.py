@@ -14,7 +14,8 @@ import torch
 
 # The waits of the CUDA path, named by what each one orders (see fence.py and token_weighting.py).
 WAITS = (
-    "produced",  # the communication stream waits for the bucket's copy-in (producer stream)
+    "gradient",  # the stream that fills a bucket waits for the other streams that accumulated its gradients
+    "produced",  # the communication stream (and the non-finite check) waits for the bucket's copy-in
     "collective",  # the communication stream waits for the collective's (or hook chain's) result
     "completed",  # the consumer stream waits for the communication stream before copy-out
     "released",  # the next copy-in (producer stream) waits for the previous copy-out (consumer stream)
@@ -28,8 +29,8 @@ class CudaKit:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def new_stream(self) -> Any:
-        return torch.cuda.Stream(device=self.device)
+    def new_stream(self, high_priority: bool = False) -> Any:
+        return torch.cuda.Stream(device=self.device, priority=-1 if high_priority else 0)
 
     def new_event(self) -> Any:
         return torch.cuda.Event()

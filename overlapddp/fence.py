@@ -116,12 +116,15 @@ class Fence:
             self.log.edges.append(
                 FenceEdge(
                     self.iteration, bucket, edge, actor, self._stream_name(), event,
-                    0 if buffer is None else buffer.data_ptr(), time.perf_counter() if at is None else at,
+                    _address(buffer), time.perf_counter() if at is None else at,
                 )
             )
 
     def _stream_name(self) -> str:
         return "cpu"
+
+    def gradient_ready(self, bucket: int) -> None:
+        """A gradient of ``bucket`` was accumulated on the current stream (CPU: on this thread)."""
 
     def filling(self, bucket: int) -> None:
         """Edge 0: the producer is about to overwrite the bucket; on CPU every read of it is over."""
@@ -130,6 +133,9 @@ class Fence:
         """Edge 1: the producer has written ``buffer``; on CPU that already happened on this thread."""
         self._buffers[bucket] = buffer
         self._record(bucket, "produced", "autograd hook")
+
+    def order_after_produced(self, bucket: int) -> None:
+        """Let the current stream read what the bucket was filled from (before its launch)."""
 
     def launch(self, bucket: int, start: Callable[[], Future]) -> None:
         """Edge 2: start the collective after everything the producer did."""
@@ -178,12 +184,17 @@ class Fence:
         """Order the caller, about to read or write ``gradients``, after every completed reduction
         and copy-out; on CPU completion already did."""
 
+    def keep_for_current_stream(self, tensors: Sequence[torch.Tensor]) -> None:
+        """The host is about to drop ``tensors``, which the current stream used; on CPU that work is done."""
+
     def in_flight(self) -> list[int]:
         """Buckets whose collective was launched and not yet completed."""
         return sorted(self._in_flight)
 
     def abandon(self) -> list[int]:
-        """Forget every in-flight collective (after an error); returns the buckets it dropped."""
+        """Forget every in-flight collective (after an error); returns the buckets it dropped. On CPU
+        their buffers may be replaced at once: gloo's work keeps its tensors until it is done, and a
+        hook's callback the tensors it writes."""
         dropped = self.in_flight()
         self._in_flight.clear()
         self.iteration += 1
@@ -204,8 +215,12 @@ class CudaFence(Fence):
         super().__init__()
         self._kit = CudaKit(device) if kit is None else kit
         # Stream the collectives are issued on; it waits on each bucket's ``_produced`` event, and
-        # the consumer waits on it through the event ``complete`` records after the collective.
-        self._comm_stream = self._kit.new_stream()
+        # the consumer waits on it through the event ``complete`` records after the collective. High
+        # priority, so that its short launches are not queued behind compute on the default priority.
+        self._comm_stream = self._kit.new_stream(high_priority=True)
+        # One event per bucket and edge, made once and recorded again each iteration: each record is
+        # waited on (or dropped, after an error) before the same event is recorded again.
+        self._events: dict[tuple[int, str], Any] = {}
         # Event recorded on the producer stream (current when the bucket was filled) after the
         # copy-in; the communication stream waits on it in ``launch``, which then drops it.
         self._produced: dict[int, Any] = {}
@@ -215,23 +230,59 @@ class CudaFence(Fence):
         # Stream that ran the last copy-out (current in ``complete``); a reader on another stream
         # (an optimizer on a side stream) waits on all of it in ``make_visible``.
         self._consumer: Any | None = None
+        # Per bucket being filled: the stream of its last accumulated gradient (``gradient_ready``), and
+        # an event on each stream it switched away from; the filling stream waits on them in ``filling``.
+        # Backward accumulates a gradient on the stream its forward op ran on, so one bucket's gradients
+        # can come from several streams; with one stream (the usual case) no event is made.
+        self._last_producer: dict[int, Any] = {}
+        self._other_producers: dict[int, list[Any]] = {}
 
     def _stream_name(self) -> str:
         return f"cuda stream {self._kit.current_stream().stream_id}"
 
+    def gradient_ready(self, bucket: int) -> None:
+        current = self._kit.current_stream()
+        last = self._last_producer.get(bucket)
+        if last is not None and last != current:
+            self._other_producers.setdefault(bucket, []).append(self._event_on(last))
+        self._last_producer[bucket] = current
+
+    def _event_on(self, stream: Any) -> Any:
+        event = self._kit.new_event()
+        event.record(stream)
+        return event
+
     def filling(self, bucket: int) -> None:
+        current = self._kit.current_stream()
+        last = self._last_producer.pop(bucket, None)
+        producers = self._other_producers.pop(bucket, [])
+        if last is not None and last != current:
+            producers.append(self._event_on(last))
+        for event in producers:
+            self._kit.wait_event(current, event, "gradient")
         released = self._released.pop(bucket, None)
         if released is not None:
-            self._kit.wait_event(self._kit.current_stream(), released, "released")
+            self._kit.wait_event(current, released, "released")
+
+    def _event(self, bucket: int, edge: str) -> Any:
+        event = self._events.get((bucket, edge))
+        if event is None:
+            event = self._events[(bucket, edge)] = self._kit.new_event()
+        return event
 
     def produced(self, bucket: int, buffer: torch.Tensor) -> None:
         producer = self._kit.current_stream()
-        event = self._kit.new_event()
+        event = self._event(bucket, "produced")
         event.record(producer)
         # The buffer may be dropped (a rebuild, an error) while the copy-in is still queued.
         self._kit.record_stream(buffer, producer)
         self._produced[bucket] = event
         super().produced(bucket, buffer)
+
+    def order_after_produced(self, bucket: int) -> None:
+        event = self._produced.get(bucket)
+        if event is not None:
+            self._kit.wait_event(self._kit.current_stream(), event, "produced")
 
     def launch(self, bucket: int, start: Callable[[], Future]) -> None:
         event = self._produced.pop(bucket, None)
@@ -248,7 +299,7 @@ class CudaFence(Fence):
     def complete(self, bucket: int) -> object:
         with self._kit.use(self._comm_stream):
             value = super().complete(bucket)
-            done = self._kit.new_event()
+            done = self._event(bucket, "completed")
             done.record(self._comm_stream)
         consumer = self._kit.current_stream()
         self._kit.wait_event(consumer, done, "completed")
@@ -261,7 +312,7 @@ class CudaFence(Fence):
 
     def consumed(self, bucket: int, consumer: str, written: Sequence[torch.Tensor] = ()) -> None:
         stream = self._kit.current_stream()
-        released = self._kit.new_event()
+        released = self._event(bucket, "released")
         released.record(stream)
         self._released[bucket] = released
         # The gradients were allocated on the producer stream and written here: a zero_grad that
@@ -286,9 +337,33 @@ class CudaFence(Fence):
         for gradient in gradients:
             self._kit.record_stream(gradient, current)
 
+    def keep_for_current_stream(self, tensors: Sequence[torch.Tensor]) -> None:
+        current = self._kit.current_stream()
+        for tensor in tensors:
+            self._kit.record_stream(tensor, current)
+
     def abandon(self) -> list[int]:
+        """Also order the communication stream after each dropped collective and its hook's callbacks
+        (NCCL's future is done at enqueue, so keeping it proves nothing): the buffers, recorded for
+        that stream at launch, then return to the allocator only after those writes."""
         self._produced.clear()
+        self._last_producer.clear()
+        self._other_producers.clear()
+        with self._kit.use(self._comm_stream):
+            for bucket in self.in_flight():
+                try:
+                    self._kit.wait_future(self._in_flight[bucket], "collective")
+                except Exception:  # noqa: BLE001 - the iteration is dropped; its collective's error with it
+                    pass
         return super().abandon()
+
+
+def _address(buffer: torch.Tensor | None) -> int:
+    """What names a bucket's buffer in the log: its memory, or a sparse gradient's own identity (it has
+    no data pointer, and a gloo worker may be replacing its indices and values while it reduces)."""
+    if buffer is None:
+        return 0
+    return id(buffer) if buffer.is_sparse else buffer.data_ptr()
 
 
 def _tensors_of(value: object) -> list[torch.Tensor]:

@@ -5,8 +5,9 @@ gradient-ready order, at the forward after the first synchronized backward (the 
 graph; never when it searches unused parameters on a dynamic graph), then keeps them. With
 ``bucket_plan="tuned"`` the tuner (``tuning/``) then measures, models and selects among layouts for a
 few iterations before the layout is final. A checkpoint's layout (``bucket_state``) can be restored
-instead. The reducer asks this object one question per step and installs the layout it answers; it
-reaches the tuner only through it.
+instead. The reducer asks this object one question per step and installs the layout it answers. The
+tuner is made and driven only here; the reducer gets it from ``start_iteration`` for one iteration,
+only to report the timings it measures.
 """
 
 from __future__ import annotations
@@ -158,17 +159,23 @@ class LayoutLifecycle:
             self._tuner.discard_iteration()
 
     def restore(self, order: list[int], tuned: list[list[int]] | None) -> BucketPlan:
-        """A checkpoint's layout: rebuilt from ``order``, or ``tuned`` as it was selected."""
+        """A checkpoint's layout: rebuilt from ``order``, or ``tuned`` as it was selected. A refused
+        one changes nothing, so the run can go on with DDP's own rebuild."""
+        tuner = None if tuned is None else self._tuner_for(tuned)
+        plan = rebuilt_plan(self._params, self._sparse_gradient, self._caps, order)
         self._ready_order = []
         self._rebuilt_from = list(order)
         self.phase = self._after_rebuild()
-        plan = rebuilt_plan(self._params, self._sparse_gradient, self._caps, order)
-        if tuned is not None:
-            if self._tuner is None:
-                raise ValueError("This bucket state holds a tuned layout; construct with bucket_plan='tuned'.")
-            if sorted(i for b in tuned for i in b) != list(range(len(self._params))):
-                raise ValueError(f"The tuned layout must hold each of the {len(self._params)} parameters once.")
-            self._tuner.restored()
+        if tuner is not None and tuned is not None:
+            tuner.restored()
             self.phase = LayoutPhase.FINAL
             plan = explicit_plan(self._params, tuned)
         return plan
+
+    def _tuner_for(self, tuned: list[list[int]]) -> PlanTuner:
+        """The tuner that will run a checkpoint's tuned layout, once the layout is known to be whole."""
+        if self._tuner is None:
+            raise ValueError("This bucket state holds a tuned layout; construct with bucket_plan='tuned'.")
+        if sorted(i for b in tuned for i in b) != list(range(len(self._params))):
+            raise ValueError(f"The tuned layout must hold each of the {len(self._params)} parameters once.")
+        return self._tuner

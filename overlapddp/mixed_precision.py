@@ -19,12 +19,13 @@ copied into them is exact, so the cast to the reduce dtype gives DDP's bits.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from overlapddp.fence import Fence
 from overlapddp.torch_compat import in_backward, queue_callback
 
 
@@ -65,35 +66,51 @@ class ParameterCasts:
     ``to_low`` runs at the start of each forward; ``to_full`` runs per bucket from the reduction hook
     (its gradients are in the bucket by then) and for all the rest at the end of a synchronized
     backward or after a forward without gradients.
+
+    Each swap drops tensors that streams may still read (on CUDA: the hook's cast on the communication
+    stream, backward's kernels): ``fence()`` keeps them for the current stream, which the reduction
+    hook and the end-of-backward callback run on after backward's streams.
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], param_dtype: torch.dtype | None) -> None:
+    def __init__(
+        self, params: Sequence[torch.Tensor], param_dtype: torch.dtype | None, fence: Callable[[], Fence] = Fence
+    ) -> None:
         self.params = list(params)
         self._param_dtype = param_dtype
         self._full: dict[int, torch.Tensor] = {}  # id(param) -> its full-precision data while swapped
+        self._fence = fence
 
     def to_low(self) -> None:
         """Every parameter computes in ``param_dtype`` from its full-precision value; an accumulated
         gradient (``no_sync``, or not zeroed) is cast down too, as DDP does."""
+        dropped = []
         with torch.no_grad():
             for param in self.params:
+                if id(param) in self._full:  # still swapped: its low-precision copy is replaced
+                    dropped.append(param.data)
                 full = self._full.setdefault(id(param), param.data)
                 dtype = full.dtype if self._param_dtype is None else self._param_dtype
                 if param.grad is not None:
+                    dropped.append(param.grad.data)
                     param.grad.data = param.grad.to(dtype)
                 param.data = full.to(dtype, copy=True)
+        self._fence().keep_for_current_stream(dropped)
 
     def to_full(self, params: Sequence[torch.Tensor] | None = None) -> None:
         """``params`` (default: all still swapped) get their full-precision data back; their gradients
         are cast up to it."""
+        dropped = []
         with torch.no_grad():
             for param in self.params if params is None else params:
                 full = self._full.pop(id(param), None)
                 if full is None:
                     continue
+                dropped.append(param.data)
                 param.data = full
                 if param.grad is not None:
+                    dropped.append(param.grad.data)
                     param.grad.data = param.grad.to(full.dtype)
+        self._fence().keep_for_current_stream(dropped)
 
 
 class ReduceInPrecision:

@@ -382,6 +382,7 @@ class Reducer:
         if self._timing is not None:
             self._timing.gradient_ready(index)
         bucket = self._bucket_of[index]
+        self._fence.gradient_ready(bucket)
         self._missing[bucket] -= 1
         if self._missing[bucket] == 0:
             self._fill(bucket)
@@ -436,6 +437,7 @@ class Reducer:
     def _launch(self, index: int) -> None:
         storage = self._storages[index]
         if self.checks_nonfinite:
+            self._fence.order_after_produced(index)  # the check reads param.grad, maybe on another stream
             members, device = self.plan.buckets[index], storage.buffer.device
             error = nonfinite_error(index, members, storage.params, self.names, device, self.process_group)
             if error is not None:
@@ -560,6 +562,7 @@ class Reducer:
         dropped = self._fence.abandon()
         for index in dropped:
             if index >= 0:  # the delayed all-reduce (a negative key) renews its own buffer
+                self._storages[index].drop_aliased_grads()
                 self._storages[index] = self._new_storage(index, self.plan.buckets[index])
         if self.delayed is not None:
             self.delayed.abandon()

@@ -75,6 +75,12 @@ class SparseBucketStorage:
             with torch.no_grad():
                 grad.div_(divisor)
 
+    def drop_aliased_grads(self) -> None:
+        """After an abandoned reduction: the gradient is the bucket, which the collective may still write
+        (gloo replaces its indices and values on a worker thread): it is set to None."""
+        if self.params[0].grad is self.buffer:
+            self.params[0].grad = None
+
     def point_grads_at_views(self) -> None:
         """Nothing to do: the gradient is the bucket (``gradient_as_bucket_view`` included)."""
 

@@ -65,6 +65,9 @@ class DelayedFence(Fence):
     def log(self, value: FenceLog | None) -> None:
         self.inner.log = value
 
+    def gradient_ready(self, bucket: int) -> None:
+        self.inner.gradient_ready(bucket)
+
     def filling(self, bucket: int) -> None:
         self.inner.filling(bucket)
         if self.stage == "production":
@@ -73,6 +76,9 @@ class DelayedFence(Fence):
     def produced(self, bucket: int, buffer: torch.Tensor) -> None:
         self._on_cuda[bucket] = buffer.is_cuda
         self.inner.produced(bucket, buffer)
+
+    def order_after_produced(self, bucket: int) -> None:
+        self.inner.order_after_produced(bucket)
 
     def launch(self, bucket: int, start: Callable[[], Future]) -> None:
         if self.stage == "launch":

@@ -7,6 +7,7 @@ end-of-backward callback. Everything below it sees tensors only.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import weakref
 from contextlib import contextmanager
@@ -24,7 +25,7 @@ from overlapddp.comm_hook import CommHook
 from overlapddp.comm_hook_validation import builtin_hook, check_comm_hook
 from overlapddp.compile_split import GraphSplitter, in_compiled_autograd
 from overlapddp.delayed_reduction import DelayedReduction
-from overlapddp.fence import FenceLog
+from overlapddp.fence import Fence, FenceLog
 from overlapddp.join import OverlapJoinHook, announce_backward_sync, common_rank
 from overlapddp.mixed_precision import MixedPrecision, ParameterCasts, ReduceInPrecision, reduce_in_precision_hook
 from overlapddp.module_sync import broadcast_buffers, broadcast_coalesced
@@ -80,12 +81,8 @@ class OverlapDDP(nn.Module, Joinable):
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
-        args = Arguments(
-            device_ids, output_device, dim, broadcast_buffers, init_sync, process_group, bucket_cap_mb,
-            find_unused_parameters, check_reduction, gradient_as_bucket_view, static_graph,
-            delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, device_mesh,
-            skip_all_reduce_unused_params, bucket_cap_mb_list, batched_grad_copy, forward_sync_buffers, bucket_plan,
-        )
+        given = locals()  # DDP's arguments by name, so none can shift into another's place
+        args = Arguments(**{field.name: given[field.name] for field in dataclasses.fields(Arguments)})
         built = resolve(module, args)  # every argument checked; no collective yet
         self._keep(module, args, built)
         self._delayed = synchronize(built, init_sync)
@@ -130,7 +127,8 @@ class OverlapDDP(nn.Module, Joinable):
         buckets reduced in the reduce dtype by a comm hook (so, as in DDP, no other hook can be registered)."""
         precision.cast_buffers(self.modules_buffers)
         named = self.module.named_parameters()
-        casts = ParameterCasts([p for n, p in named if n not in self.parameters_to_ignore], precision.param_dtype)
+        casts = ParameterCasts([p for n, p in named if n not in self.parameters_to_ignore], precision.param_dtype,
+                               _fence_of(weakref.ref(self._reducer)))
         self._reducer.set_comm_hook(ReduceInPrecision(precision, casts, self.process_group), reduce_in_precision_hook)
         self._mixed_precision = (precision, casts)
 
@@ -284,6 +282,16 @@ class OverlapDDP(nn.Module, Joinable):
             _check_per_bucket_state(state, self._reducer.final_layout_iteration)
         self._reducer.set_comm_hook(state, hook)
 
+    @property
+    def _comm_hooks(self) -> list[tuple[CommHook, object]]:
+        """DDP's record of the user's hook as ``[(hook, state)]``, read from the reducer's one copy
+        (mixed precision's own reduction is not a user hook, as in DDP)."""
+        registered = self._reducer.comm_hook
+        if registered is None or self._mixed_precision is not None:
+            return []
+        state, hook = registered
+        return [(hook, state)]
+
     def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
         """DDP's built-in ALLREDUCE and FP16_COMPRESS hooks, with their arithmetic."""
         hook = builtin_hook(comm_hook_type)
@@ -429,6 +437,16 @@ def _check_per_bucket_state(state: object, final_layout_iteration: int) -> None:
         )
 
 
+def _fence_of(reducer_ref: weakref.ReferenceType[Reducer]) -> Callable[[], Fence]:
+    """The fence the reducer holds when called (a test may replace it), without keeping the reducer alive."""
+
+    def fence() -> Fence:
+        reducer = reducer_ref()
+        return reducer.fence if reducer is not None else Fence()
+
+    return fence
+
+
 def _register_ready_hooks(reducer: Reducer, params: list[torch.Tensor]) -> list[Any]:
     """One post-accumulate-grad hook per parameter; the last launch queues finalize once per backward.
 
@@ -457,7 +475,7 @@ def _register_delayed_hooks(reducer: Reducer, delayed: DelayedReduction, hook_pa
         def arrived(_: torch.Tensor) -> None:
             live = reducer_ref()
             if live is not None and live.delayed is not None:
-                live.delayed.gradient_ready(index)
+                live.delayed.gradient_ready(index, live.fence)
 
         return arrived
 

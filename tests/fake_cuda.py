@@ -55,7 +55,7 @@ class RecordingKit:
     def stream(self, name: str) -> FakeStream:
         return self.streams.setdefault(name, FakeStream(self, name))
 
-    def new_stream(self) -> FakeStream:
+    def new_stream(self, high_priority: bool = False) -> FakeStream:
         self._created += 1
         return self.stream(f"side{self._created}")
 

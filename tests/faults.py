@@ -9,7 +9,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-from overlapddp import bucket_reduction, bucket_storage, comm_hook, reducer, wrapper
+from overlapddp import bucket_reduction, bucket_storage, comm_hook, layout_lifecycle, reducer, wrapper
 
 
 def _skip_scaling() -> tuple[object, str, object]:
@@ -36,7 +36,7 @@ def _true_division() -> tuple[object, str, object]:
 
 def _swap_in_bucket() -> tuple[object, str, object]:
     """After the rebuild, swap the first and last parameters of the bucket with most members."""
-    original = reducer.rebuilt_plan
+    original = layout_lifecycle.rebuilt_plan
 
     def rebuilt_plan(*args, **kwargs):
         plan = original(*args, **kwargs)
@@ -47,7 +47,7 @@ def _swap_in_bucket() -> tuple[object, str, object]:
         buckets[largest] = tuple(members)
         return type(plan)(tuple(buckets), plan.size_limits)
 
-    return reducer, "rebuilt_plan", rebuilt_plan
+    return layout_lifecycle, "rebuilt_plan", rebuilt_plan
 
 
 def _ignore_no_sync() -> tuple[object, str, object]:

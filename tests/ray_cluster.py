@@ -48,7 +48,8 @@ class RayCluster:
 
     def __init__(self, log_dir: Path, python_path: str) -> None:
         self.log_dir = log_dir
-        self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": python_path}
+        # gloo binds the loopback interface, whatever the host name resolves to
+        self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": python_path, "GLOO_SOCKET_IFNAME": "lo"}
         self.procs: list[subprocess.Popen] = []
         self.port = _free_port(HEAD_IP)
         self.address = f"{HEAD_IP}:{self.port}"

@@ -335,3 +335,46 @@ def test_a_cuda_buckets_completion_delay_is_written_late_on_the_callbacks_stream
     assert written == [0.01]
     with pytest.raises(RuntimeError, match="launched before it was produced"):
         fence.launch(1, lambda: _done([torch.ones(1)]))
+
+
+# -- what the backend cannot reduce is refused at construction ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "backend, device, refused",
+    [("nccl", "cuda", True), ("cpu:gloo,cuda:nccl", "cuda", True), ("cpu:gloo,cuda:nccl", "cpu", False),
+     ("gloo", "cuda", False)],
+)
+def test_sparse_gradients_on_nccl_are_refused_naming_them(monkeypatch, backend, device, refused):
+    from overlapddp.backend_support import refuse_unsupported
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    refuse_unsupported(None, torch.device(device), [])  # nothing sparse: nothing to refuse
+    if not refused:
+        refuse_unsupported(None, torch.device(device), ["emb.weight"])
+        return
+    with pytest.raises(ValueError, match=r"emb\.weight, bag\.weight produce sparse gradients .* gloo"):
+        refuse_unsupported(None, torch.device(device), ["emb.weight", "bag.weight"])
+
+
+@pytest.mark.parametrize("mode, backend, refused", [("2", "nccl", True), ("3", "nccl", False), ("2", "gloo", False)])
+def test_nccl_error_handling_that_aborts_without_raising_is_refused(monkeypatch, mode, backend, refused):
+    from overlapddp.backend_support import refuse_unsupported
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.delenv("NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", mode)
+    if not refused:
+        refuse_unsupported(None, torch.device("cuda"), [])
+        return
+    with pytest.raises(ValueError, match="ASYNC_ERROR_HANDLING=2 .* silently use partial sums"):
+        refuse_unsupported(None, torch.device("cuda"), [])
+
+
+def test_each_bucket_makes_its_events_once_and_records_them_again(one_rank):
+    kit = RecordingKit()
+    reducer, params = _two_bucket_reducer(kit)
+    _backward(reducer, params, kit)
+    first = kit._events
+    _backward(reducer, params, kit)
+    assert first == 6 and kit._events == first  # produced, completed, released per bucket, once

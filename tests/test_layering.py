@@ -20,7 +20,7 @@ FRAMEWORKS = {"lightning", "pytorch_lightning", "accelerate", "transformers", "r
 # Lowest first; a module may import only from strictly lower layers.
 # A module of a subpackage is named with its package: ``tuning.clock``; ``tuning`` is its ``__init__``.
 LAYERS = [
-    {"device_streams", "torch_compat", "tuning.clock"},
+    {"device_streams", "torch_compat", "tuning.clock", "backend_support"},
     {"bucket_plan", "bucket_storage", "fence", "comm_hook", "param_usage", "token_weighting", "module_sync",
      "bucket_unscaler", "sparse_reduction", "sync_checks", "progress"},
     {"tuning.cost_model", "comm_hook_validation", "timeline", "delayed_reduction", "mixed_precision",

@@ -46,3 +46,12 @@ def test_a_stale_snippet_is_reported(tmp_path):
     assert tool.snippet_problems(tmp_path) == [
         f"{first.name}: its snippet occurs 0 times in {first.path}, expected once"
     ]
+
+
+def test_every_injected_fault_replaces_an_attribute_that_exists():
+    """A fault whose target moved would raise inside the rank and fail every parity check it feeds."""
+    from tests import faults
+
+    for name, make in faults.FAULTS.items():
+        owner, attribute, _ = make()
+        assert hasattr(owner, attribute), f"fault {name!r}: {owner!r} has no attribute {attribute!r}"

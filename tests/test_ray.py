@@ -90,6 +90,7 @@ def _train(config: dict[str, Any]) -> None:
                 "node_rank": context.get_node_rank(),
                 "wrappers": {name: type(m).__name__ for name, m in models.items()},
                 "unwrapped": type(prepare_model(_mlp(), parallel_strategy=None)).__name__,
+                "bucket_bytes_cap": {name: m.bucket_bytes_cap for name, m in models.items()},
                 "state_dict_keys": {name: sorted(m.state_dict()) for name, m in models.items()}},
                out / f"start_r{rank}_{attempt}.pt")
     for step in range(start, STEPS):
@@ -196,6 +197,9 @@ def test_prepare_model_is_bit_equal_to_rays_ddp_after_every_step_with_no_sync_ac
         for start in run["starts"][rank]:
             assert start["wrappers"] == {"ddp": "DistributedDataParallel", "overlap_ddp": "OverlapDDP"}
             assert start["unwrapped"] == "Sequential"  # parallel_strategy=None: no wrap, as with Ray's
+            # parallel_strategy_kwargs reached both wrappers (bit-equality alone would not show it here)
+            cap = int(KWARGS["bucket_cap_mb"] * 1024 * 1024)
+            assert start["bucket_bytes_cap"] == {"ddp": cap, "overlap_ddp": cap}
             assert start["state_dict_keys"]["overlap_ddp"] == start["state_dict_keys"]["ddp"]
         assert len(run["steps"][rank]) == STEPS + (STEPS - FAIL_AT)
         for (step, attempt), record in run["steps"][rank].items():

@@ -4,7 +4,7 @@ In training, with the selection's timings injected (they differ per rank): bit-e
 size 2 at every step, through every candidate layout; every rank adopts the layout that is fastest by
 the slowest rank's times, at the same step; the layout survives a checkpoint; and runs where each
 rank adopts its own modelled plan, or picks its own fastest candidate, are caught. The selection
-loop alone is in test_selection.py.
+loop alone is in test_plan_selection.py.
 """
 
 from __future__ import annotations

@@ -233,6 +233,32 @@ def test_to_kwargs_returns_what_ddp_returns(one_rank):
         assert repr(mine) == repr(theirs)  # same nesting, same values
 
 
+def test_comm_hooks_record_the_registered_hook_as_ddp_does(one_rank):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp, ours = DistributedDataParallel(nn.Linear(3, 3)), OverlapDDP(nn.Linear(3, 3))
+    assert ours._comm_hooks == ddp._comm_hooks == []
+    for wrapper in (ddp, ours):
+        wrapper.register_comm_hook(None, default_hooks.allreduce_hook)
+    assert ours._comm_hooks == ddp._comm_hooks == [(default_hooks.allreduce_hook, None)]
+
+
+def test_a_refused_bucket_state_changes_nothing(one_rank):
+    model = OverlapDDP(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)))
+    refused = {"ready_order": [3, 2, 1, 0], "tuned_buckets": [[0, 1], [2, 3]]}  # needs bucket_plan="tuned"
+    with pytest.raises(ValueError, match="construct with bucket_plan='tuned'"):
+        model.load_bucket_state(refused)
+    assert model.bucket_state() == {"ready_order": None, "tuned_buckets": None}
+    assert not model._has_rebuilt_buckets  # DDP's own rebuild still happens
+
+
+def test_the_constructor_hands_every_argument_to_its_steps():
+    from overlapddp.construction import Arguments
+
+    fields = [field.name for field in dataclasses.fields(Arguments)]
+    assert fields == list(inspect.signature(OverlapDDP.__init__).parameters)[2:]  # less self and module
+
+
 def test_set_params_and_buffers_to_ignore_marks_the_module_as_ddp_does(one_rank):
     marked = []
     for wrapper in (DistributedDataParallel, OverlapDDP):

@@ -47,6 +47,7 @@ class CudaClock(HostClock):
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
+        self._stamps: torch.cuda.Stream | None = None  # made at the first ``done``; see there
 
     def now(self) -> Stamp:
         event = torch.cuda.Event(enable_timing=True)
@@ -54,12 +55,15 @@ class CudaClock(HostClock):
         return event
 
     def done(self, future: torch.futures.Future) -> Stamp:
-        """Called right after the collective was issued, on the communication stream: waiting on a
-        CUDA future makes that stream wait for the collective's own stream (NCCL's future is already
-        complete on the host, so nothing blocks), and an event recorded after the wait completes
-        when the collective does."""
-        future.wait()
-        return self.now()
+        """Waiting on a CUDA future makes the current stream wait for the collective (NCCL's future is
+        already complete on the host, so nothing blocks), and an event recorded after that wait
+        completes when the collective does. The wait is made on a stream of its own: on the
+        communication stream it would hold every later launch until this collective finished."""
+        if self._stamps is None:
+            self._stamps = torch.cuda.Stream(device=self._device)
+        with torch.cuda.stream(self._stamps):
+            future.wait()
+            return self.now()
 
     def seconds(self, origin: Stamp, stamps: Sequence[Stamp]) -> list[float]:
         """Waits for every stamped event (the host blocks here, once per read)."""

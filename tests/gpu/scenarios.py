@@ -1,9 +1,11 @@
 """GPU training scenarios, each compared bit for bit with a reference, each built so that one
 missing wait of the CUDA path makes it fail (see device_streams.WAITS).
 
-Two ranks share one GPU over gloo (NCCL needs a GPU per rank); every delay is a sleep kernel on the
-stream whose ordering is under test, so only a stream wait (not a host wait) can hide it. cuDNN and
-cuBLAS run deterministically, so DDP's and OverlapDDP's arithmetic give the same bits.
+Each runs on two backends: two ranks sharing one GPU over gloo (NCCL needs a GPU per rank), and one
+rank over a world-size-1 NCCL group, whose semantics are what users run (its future completes at
+enqueue, its callbacks run at once on a pool stream). Every delay is a sleep kernel on the stream
+whose ordering is under test, so only a stream wait (not a host wait) can hide it. cuDNN and cuBLAS
+run deterministically, so DDP's and OverlapDDP's arithmetic give the same bits.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
@@ -73,7 +76,46 @@ def _sleepy_allreduce_hook(state: Any, bucket: Any) -> torch.futures.Future:
     return default_hooks.allreduce_hook(state, bucket).then(late)
 
 
-# Scenario name -> (wrapper kwargs, comm hook, delay stage on rank 1 or None, training loop).
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps on the stream it runs on (the stream its forward ran on)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        _device_sleep(DELAY_S)
+        return grad
+
+
+class _SideBranch(nn.Module):
+    """The test model plus a linear branch from its input. Given a stream, forward runs the branch there,
+    so backward accumulates the branch's gradients there, late (after a sleep); they share one bucket
+    with the trunk's, which the trunk's first layer (ready last, on the caller's stream) fills."""
+
+    def __init__(self, stream: torch.cuda.Stream | None) -> None:
+        super().__init__()
+        self.trunk = models.build(MODEL)
+        torch.manual_seed(1)
+        self.side = nn.Linear(3 * 8 * 8, 10)
+        self.stream = stream
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.trunk(x)
+        if self.stream is None:
+            return out + self.side(x.flatten(1))
+        current = torch.cuda.current_stream()
+        self.stream.wait_stream(current)
+        x.record_stream(self.stream)
+        with torch.cuda.stream(self.stream):
+            side = _SlowBackward.apply(self.side(x.flatten(1)))
+        current.wait_stream(self.stream)
+        side.record_stream(current)
+        return out + side
+
+
+# Scenario name -> (wrapper kwargs, comm hook, delay stage on the delayed rank or None, training loop).
 SCENARIOS: dict[str, tuple[dict, Callable | None, str | None, str]] = {
     "copy-in delayed on the producer stream": ({}, None, "production", "plain"),
     "result written late on the hook callback's stream": ({}, "sleepy", None, "plain"),
@@ -83,37 +125,68 @@ SCENARIOS: dict[str, tuple[dict, Callable | None, str | None, str]] = {
     "fp16_compress_hook": ({}, default_hooks.fp16_compress_hook, "completion", "plain"),
     "bf16_compress_hook": ({}, default_hooks.bf16_compress_hook, "completion", "plain"),
     "forward and backward on different streams": ({}, None, "consumption", "two streams"),
+    "gradients of one bucket accumulated on two streams": ({"bucket_cap_mb": 25}, None, None, "side branch"),
 }
 # The scenario that fails when each wait is left out.
 EXPOSES = {
+    "gradient": "gradients of one bucket accumulated on two streams",
     "produced": "copy-in delayed on the producer stream",
     "collective": "result written late on the hook callback's stream",
     "completed": "result written late on the hook callback's stream",
     "released": "forward and backward on different streams",
     "reader": "step on a second stream with the guard",
 }
+# With one rank a sum changes nothing: a collective that reads its bucket early, or a reader that reads
+# param.grad before the copy-out, still sees the right values. These waits still show on one NCCL rank.
+EXPOSED_ON_ONE_RANK = ("gradient", "collective", "completed", "released")
+
+
+BACKENDS = ("gloo", "nccl")
+
+
+def world_size_of(backend: str) -> int:
+    """Two ranks share the GPU over gloo; NCCL needs a GPU per rank, so it runs one."""
+    return 2 if backend == "gloo" else 1
+
+
+def group_for(backend: str) -> tuple[dist.ProcessGroup | None, int]:
+    """The process group the wrappers use on ``backend`` (None: the default gloo group) and the rank
+    that is delayed (the last one)."""
+    if backend == "gloo":
+        return None, 1
+    if backend == "nccl":
+        return dist.new_group([0], backend="nccl"), 0
+    raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
 
 
 def _hook(spec: Any) -> Callable | None:
     return _sleepy_allreduce_hook if spec == "sleepy" else spec
 
 
-def run_scenario(rank: int, name: str, skip: str | None = None) -> list[bool]:
-    """Train DDP and OverlapDDP side by side; per step, whether every parameter, buffer and
-    gradient is bit-equal."""
+def run_scenario(
+    rank: int, name: str, skip: str | None = None, group: dist.ProcessGroup | None = None, delayed_rank: int = 1
+) -> list[bool]:
+    """Train DDP and OverlapDDP side by side on ``group``; per step, whether every parameter, buffer
+    and gradient is bit-equal."""
     kwargs, hook_spec, stage, loop = SCENARIOS[name]
+    kwargs = dict(kwargs)
+    cap = kwargs.pop("bucket_cap_mb", 0.001)
     device = torch.device("cuda", 0)
     hook = _hook(hook_spec)
-    reference = DistributedDataParallel(models.build(MODEL).to(device), device_ids=[0], bucket_cap_mb=0.001, **kwargs)
-    ours = OverlapDDP(models.build(MODEL).to(device), device_ids=[0], bucket_cap_mb=0.001, **kwargs)
+    if loop == "side branch":
+        modules = [_SideBranch(None).to(device), _SideBranch(torch.cuda.Stream(device)).to(device)]
+    else:
+        modules = [models.build(MODEL).to(device), models.build(MODEL).to(device)]
+    reference = DistributedDataParallel(modules[0], device_ids=[0], bucket_cap_mb=cap, process_group=group, **kwargs)
+    ours = OverlapDDP(modules[1], device_ids=[0], bucket_cap_mb=cap, process_group=group, **kwargs)
     if skip is not None:
         ours._reducer.replace_fence(CudaFence(device, kit=SkippingKit(device, skip)))
-    if hook is not None:
-        reference.register_comm_hook(None, hook)
-        ours.register_comm_hook(None, hook)
+    if hook is not None:  # the hooks' state is the process group they reduce over
+        reference.register_comm_hook(group, hook)
+        ours.register_comm_hook(group, hook)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (reference, ours)]
     ours.attach_optimizer(opts[1])
-    delay = delay_communication(ours, rank=1, seconds=DELAY_S, stage=stage) if stage else _nothing()
+    delay = delay_communication(ours, rank=delayed_rank, seconds=DELAY_S, stage=stage) if stage else _nothing()
     with delay:
         if loop == "two streams":
             return _grads_with_forward_and_backward_on_two_streams(rank, reference, ours, device)
@@ -165,10 +238,13 @@ def _train(rank: int, reference: Any, ours: Any, opts: list, device: torch.devic
 def _grads_with_forward_and_backward_on_two_streams(
     rank: int, reference: Any, ours: Any, device: torch.device
 ) -> list[bool]:
-    """Forward (and so the gradient hooks and copy-in) on one stream, backward called on another
-    (the copy-out's stream), no step: each iteration's gradients, cloned on the backward stream,
-    must not be overwritten by the next iteration's copy-in. The reference runs on one stream."""
-    forward, backward = torch.cuda.Stream(), torch.cuda.Stream()
+    """Forward (and so the gradient hooks and copy-in) on one stream, backward called on one of two
+    others in turn (the copy-out's stream), no step: each iteration's gradients, cloned on the backward
+    stream, must not be overwritten by the next iteration's copy-in. The backward stream alternates
+    because the autograd engine makes forward's stream wait for the caller's at each backward: with
+    one backward stream that wait alone would order the copy-in after the last copy-out, hiding a
+    missing ``released`` wait. The reference runs on one stream."""
+    forward, backwards = torch.cuda.Stream(), [torch.cuda.Stream(), torch.cuda.Stream()]
     expected, got = [], []
     for step in range(STEPS):
         inputs, target = (t.to(device) for t in models.batch(MODEL, rank, step))
@@ -176,6 +252,7 @@ def _grads_with_forward_and_backward_on_two_streams(
         models.loss_of(reference(inputs), target).backward()
         expected.append([p.grad.clone() for p in reference.parameters()])
     for step in range(STEPS):
+        backward = backwards[step % 2]
         ours.zero_grad(set_to_none=True)
         with torch.cuda.stream(forward):
             inputs, target = (t.to(device) for t in models.batch(MODEL, rank, step))
@@ -188,13 +265,16 @@ def _grads_with_forward_and_backward_on_two_streams(
     return [all(torch.equal(a, b) for a, b in zip(e, g)) for e, g in zip(expected, got)]
 
 
-def all_scenarios(rank: int, world_size: int) -> dict[str, list[bool]]:
-    """Every scenario once, and every wait's exposing scenario with that wait left out (one spawn)."""
+def all_scenarios(rank: int, world_size: int, backend: str = "gloo") -> dict[str, list[bool]]:
+    """Every scenario once, and every wait's exposing scenario with that wait left out (one spawn), on
+    ``backend`` (two gloo ranks, or one NCCL rank with only the waits one rank can show)."""
     deterministic()
     torch.cuda.set_device(0)
-    results = {name: run_scenario(rank, name) for name in SCENARIOS}
+    group, delayed_rank = group_for(backend)
+    results = {name: run_scenario(rank, name, group=group, delayed_rank=delayed_rank) for name in SCENARIOS}
     for wait, name in EXPOSES.items():
-        results[f"without {wait}"] = run_scenario(rank, name, skip=wait)
+        if backend == "gloo" or wait in EXPOSED_ON_ONE_RANK:
+            results[f"without {wait}"] = run_scenario(rank, name, skip=wait, group=group, delayed_rank=delayed_rank)
         dist.barrier()
     return results
 

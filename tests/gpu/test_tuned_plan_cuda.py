@@ -9,12 +9,14 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
 from overlapddp.tuning import tuner
 from overlapddp.tuning.clock import CudaClock, clock_for
 from tests import models
+from tests.gpu.scenarios import BACKENDS, group_for, world_size_of
 from tests.multiprocess import run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -58,11 +60,16 @@ def test_a_collective_counts_as_done_when_its_stream_finishes_it():
     assert finished > 0.005 and idle >= finished
 
 
-def _tuned_on_cuda(rank: int, world_size: int) -> dict[str, object]:
+def _tuned_on_cuda(rank: int, world_size: int, backend: str) -> dict[str, object]:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    ddp = DistributedDataParallel(models.build("cnn_bn").to(device), device_ids=[0], bucket_cap_mb=0.001)
-    ours = OverlapDDP(models.build("cnn_bn").to(device), device_ids=[0], bucket_cap_mb=0.001, bucket_plan="tuned")
+    group, _ = group_for(backend)
+    ddp = DistributedDataParallel(
+        models.build("cnn_bn").to(device), device_ids=[0], bucket_cap_mb=0.001, process_group=group
+    )
+    ours = OverlapDDP(
+        models.build("cnn_bn").to(device), device_ids=[0], bucket_cap_mb=0.001, bucket_plan="tuned", process_group=group
+    )
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, ours)]
     ours.attach_optimizer(optimizers[1], overlap=True)
     equal, layouts = [], []
@@ -78,8 +85,11 @@ def _tuned_on_cuda(rank: int, world_size: int) -> dict[str, object]:
     return {"equal": equal, "layouts": layouts, "state": ours.bucket_state()}
 
 
-def test_tuned_plan_on_cuda_settles_on_one_layout_on_every_rank_bit_equal_to_ddp():
-    per_rank = run_ranks(2, _tuned_on_cuda)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tuned_plan_on_cuda_settles_on_one_layout_on_every_rank_bit_equal_to_ddp(backend):
+    if backend == "nccl" and not dist.is_nccl_available():
+        pytest.skip("needs NCCL")
+    per_rank = run_ranks(world_size_of(backend), _tuned_on_cuda, backend)
     for result in per_rank:
         assert all(result["equal"]), result["equal"]
         assert result["state"]["tuned_buckets"] == result["layouts"][-1]
