@@ -23,6 +23,10 @@ During the timed steps OverlapDDP records its fence log; ``overlapddp.timeline``
 turns it into the exposed communication per step (last bucket completion minus
 end of backward) and the last bucket to become ready, reported for rank 0.
 
+``--find-unused-parameters both`` passes ``find_unused_parameters=True`` to both variants;
+``--find-unused-parameters candidate --reference overlapddp`` times OverlapDDP with the flag
+against OverlapDDP without it (the flag's own cost).
+
 ``--compile inner`` times ``Wrapper(torch.compile(model))`` and ``--compile outer``
 ``torch.compile(Wrapper(model))``, both wrappers in the same form, with ``--backend``
 (each variant compiles with its own backend object, so they never share compiled frames).
@@ -178,12 +182,12 @@ class RankContext:
     device: torch.device
 
 
-def make_variant(ctx: RankContext, label: str, wrapper: type[nn.Module]) -> Variant:
+def make_variant(ctx: RankContext, label: str, wrapper: type[nn.Module], find_unused: bool = False) -> Variant:
     """Build a fresh seeded model, wrap it as the command line says and give it its own optimizer."""
     args = ctx.args
     torch.manual_seed(args.seed)
     module = build_model(args.model).to(ctx.device)
-    kwargs: dict[str, object] = {}
+    kwargs: dict[str, object] = {"find_unused_parameters": True} if find_unused else {}
     if args.bucket_cap_mb is not None:
         kwargs["bucket_cap_mb"] = args.bucket_cap_mb
     variant = wrap_variant(
@@ -508,9 +512,13 @@ def rank_device(args: argparse.Namespace, rank: int) -> torch.device:
 def benchmark(ctx: RankContext) -> dict[str, object]:
     """Warm up, run the interleaved repeats and check bit-equality; results valid on rank 0."""
     args = ctx.args
-    candidate_label = "overlapddp" if args.candidate == "overlapddp" else "ddp-again"
-    reference = make_variant(ctx, "ddp", DistributedDataParallel)
-    candidate = make_variant(ctx, candidate_label, candidate_class(args.candidate))
+    ref_unused = args.find_unused_parameters == "both"
+    cand_unused = args.find_unused_parameters in ("both", "candidate")
+    ref_label = args.reference + ("+find_unused" if ref_unused else "")
+    candidate_label = args.candidate + ("+find_unused" if cand_unused else "")
+    candidate_label += "-again" if candidate_label == ref_label else ""
+    reference = make_variant(ctx, ref_label, candidate_class(args.reference), ref_unused)
+    candidate = make_variant(ctx, candidate_label, candidate_class(args.candidate), cand_unused)
     for variant in (reference, candidate):
         run_block(ctx, variant, args.warmup)
     # Recorded on every rank (same cost everywhere), from the first timed step on.
@@ -530,7 +538,7 @@ def benchmark(ctx: RankContext) -> dict[str, object]:
             eta = f"about {format_duration(left)} left" if left else f"done in {format_duration(elapsed)}"
             log(
                 f"repeat {repeat + 1}/{args.repeats} ({order[0].label} first): "
-                f"ddp {ref_ms:.2f} ms, {candidate_label} {cand_ms:.2f} ms, "
+                f"{ref_label} {ref_ms:.2f} ms, {candidate_label} {cand_ms:.2f} ms, "
                 f"ratio {cand_ms / ref_ms:.3f}; {eta}"
             )
     mismatches = mismatched_tensors(reference.module, candidate.module)
@@ -658,7 +666,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--candidate",
         choices=("overlapddp", "ddp"),
         default="overlapddp",
-        help="wrapper compared against DDP; 'ddp' runs DDP against itself",
+        help="wrapper compared against the reference; 'ddp' against DDP runs DDP against itself",
+    )
+    parser.add_argument(
+        "--reference",
+        choices=("ddp", "overlapddp"),
+        default="ddp",
+        help="the wrapper the candidate is compared against (default: stock DDP)",
+    )
+    parser.add_argument(
+        "--find-unused-parameters",
+        choices=("off", "both", "candidate"),
+        default="off",
+        help="find_unused_parameters=True on both variants, or on the candidate only (with --reference "
+        "overlapddp: the flag's own cost)",
     )
     args = parser.parse_args(argv)
     check_run_arguments(parser, args)

@@ -107,6 +107,8 @@ class Fence:
         self._clock = HostClock()
         self._finished_at: dict[int, Stamp] = {}
         self._launched_at: dict[int, float] = {}
+        # Called with (bucket, future) before ``complete`` waits: the desync records note the wait.
+        self.before_wait: Callable[[int, Future], None] | None = None
 
     def _record(self, bucket: int, edge: str, actor: str, event: str | None = None, at: float | None = None) -> None:
         if self.log is not None:
@@ -150,6 +152,8 @@ class Fence:
         future = self._in_flight.pop(bucket, None)
         if future is None:
             raise RuntimeError(f"Bucket {bucket} was asked for its result but was never launched.")
+        if self.before_wait is not None:
+            self.before_wait(bucket, future)
         value = self._wait(future)
         finished = None
         if bucket in self._launched_at:  # logging with host-visible completion

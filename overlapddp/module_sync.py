@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from overlapddp.device_streams import device_context
-from overlapddp.torch_compat import foreach_copy_
+from overlapddp.torch_compat import foreach_copy_, preserving_versions
 
 BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
 
@@ -68,6 +68,13 @@ def broadcast_coalesced(
                 dist.broadcast(flat, src=global_src, group=process_group)
                 pieces = flat.split([t.numel() for t in chunk])
                 foreach_copy_(chunk, [piece.view_as(t) for piece, t in zip(pieces, chunk, strict=True)])
+
+
+def broadcast_buffers(buffers: Sequence[torch.Tensor], src: int, process_group: dist.ProcessGroup) -> None:
+    """The forward's buffer broadcast: as :func:`broadcast_coalesced`, version counters kept as DDP keeps
+    them, so that a buffer saved for a backward still pending (an earlier forward's) stays usable."""
+    with preserving_versions(buffers):
+        broadcast_coalesced(buffers, src, process_group)
 
 
 def _chunks(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

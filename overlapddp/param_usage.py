@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator, Sequence, cast
 import torch
 import torch.distributed as dist
 from torch.futures import Future
+from torch.utils.checkpoint import CheckpointFunction
 
 
 # [Note: which containers are walked] One walk for every place that looks into a forward's inputs or
@@ -73,17 +74,21 @@ def grad_accumulators(params: Sequence[torch.Tensor]) -> list[Any]:
         return [cast(Any, p.view_as(p).grad_fn).next_functions[0][0] for p in params]
 
 
-def unreachable(outputs: Sequence[torch.Tensor], accumulators: Sequence[Any]) -> list[int]:
-    """Indices of parameters whose accumulator no output's graph reaches: unused in this forward."""
+def unreachable(outputs: Sequence[torch.Tensor], accumulators: Sequence[Any]) -> tuple[list[int], bool]:
+    """Indices of parameters whose accumulator no output's graph reaches (unused in this forward), and
+    whether the graph holds a reentrant checkpoint, whose backward runs a forward and backward of its
+    own: the parameters it uses cannot be seen from here, nor how many times each receives a gradient."""
     seen: set[Any] = set()
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    hidden = False
     while stack:
         node = stack.pop()
         if node in seen:
             continue
         seen.add(node)
+        hidden = hidden or getattr(node, "_forward_cls", None) is CheckpointFunction
         stack.extend(child for child, _ in node.next_functions if child is not None)
-    return [i for i, acc in enumerate(accumulators) if acc not in seen]
+    return [i for i, acc in enumerate(accumulators) if acc not in seen], hidden
 
 
 class UsageMap:
@@ -94,17 +99,20 @@ class UsageMap:
     """
 
     def __init__(self, count: int, device: torch.device) -> None:
-        self.local = torch.zeros(count, dtype=torch.int32)
+        # Host bytes, so that a hook's write and finalize's read cost no tensor indexing (about 2 us
+        # each); ``_local`` is a tensor view of them for the copies.
+        self._flags = bytearray(count)
+        self._local = torch.frombuffer(self._flags, dtype=torch.uint8) if count else torch.zeros(0, dtype=torch.uint8)
         # The flags as sent to the other ranks, summed in place: after a reduction it holds that
         # iteration's global counts, which is what a joined rank contributes while shadowing (DDP).
         self._sent = torch.zeros(count, dtype=torch.int32, device=device)
-        # Future of the all-reduced copy of ``local``; produced by ``launch_reduction``, waited on
+        # Future of the all-reduced copy of the flags; produced by ``launch_reduction``, waited on
         # by ``globally_used`` (finalize), dropped by ``reset``.
         self._reduction: Future | None = None
-        self._global: torch.Tensor | None = None
+        self._global: list[int] | None = None
 
     def mark_used(self, index: int) -> None:
-        self.local[index] = 1
+        self._flags[index] = 1
 
     def launch_reduction(self, process_group: dist.ProcessGroup) -> None:
         """Start summing the flags over ranks; the result is awaited only if needed.
@@ -113,9 +121,9 @@ class UsageMap:
         inside the last autograd hook) and the next backward's ``mark_used`` cannot change them
         while it is queued (the pinned allocator keeps the block until the copy has run)."""
         if self._sent.is_cuda:
-            self._sent.copy_(self.local.pin_memory(), non_blocking=True)
+            self._sent.copy_(self._local.pin_memory(), non_blocking=True)
         else:
-            self._sent.copy_(self.local)
+            self._sent.copy_(self._local)
         self._reduction = dist.all_reduce(self._sent, group=process_group, async_op=True).get_future()
         self._global = None
 
@@ -125,12 +133,12 @@ class UsageMap:
 
     def globally_used(self, index: int) -> bool:
         """Whether any rank used the parameter (waits for the reduction the first time)."""
-        if self.local[index]:
+        if self._flags[index]:
             return True
         if self._global is None:
             if self._reduction is None:
                 raise RuntimeError("The parameter-usage reduction was never launched in this backward.")
-            self._global = self._reduction.wait()[0].to("cpu", copy=True)
+            self._global = self._reduction.wait()[0].tolist()
         return bool(self._global[index])
 
     def settle(self) -> None:
@@ -142,6 +150,6 @@ class UsageMap:
 
     def reset(self) -> None:
         """Start counting a new iteration (dynamic graphs); a static graph keeps its first map."""
-        self.local.zero_()
+        self._local.zero_()
         self._reduction = None
         self._global = None

@@ -29,7 +29,9 @@ from overlapddp.fence import Fence
 from overlapddp.layout_lifecycle import LayoutLifecycle
 from overlapddp.gradient_checks import GradientWriteWatch, nonfinite_error
 from overlapddp.param_usage import UsageMap, grad_accumulators, unreachable
+from overlapddp.progress import ProgressRecord
 from overlapddp.sparse_reduction import SparseBucketStorage
+from overlapddp.sync_checks import SyncFlagCheck
 from overlapddp.token_weighting import TokenCount
 from overlapddp.torch_compat import in_backward
 
@@ -43,13 +45,14 @@ class ReducerState(enum.Enum):
 
     IDLE -> ARMED (prepare_for_backward) -> REDUCING (first gradient counted in) -> FINALIZING
     (finalize) -> IDLE; a static graph's first backward: ARMED -> LEARNING (first gradient) ->
-    REDUCING (reduce_learned_graph counts every gradient in) -> FINALIZING -> IDLE. A failure
+    REDUCING (reduce_at_end_of_backward counts every gradient in) -> FINALIZING -> IDLE, and so does
+    a dynamic graph's backward through a reentrant checkpoint (find_unused_parameters). A failure
     abandons the iteration: any state -> IDLE (_abandon).
     """
 
     IDLE = "idle"  # no synchronized backward expected: before the first forward, or after finalize
     ARMED = "armed"  # a synchronized forward ran; its backward's gradients are to be reduced, none came yet
-    LEARNING = "learning"  # static graph, first synchronized backward: gradients are counted, nothing launched
+    LEARNING = "learning"  # gradients are counted, nothing launched (static graph's first; reentrant checkpoint)
     REDUCING = "reducing"  # gradients are copied in and complete buckets launched; finalize is owed
     FINALIZING = "finalizing"  # the end-of-backward callback is completing buckets
 
@@ -102,6 +105,9 @@ class Reducer:
         # that outlives the iteration's state: it holds through ARMED and LEARNING).
         self.reductions = self.synchronized_forwards = 0
         self.local_gradients_since_reduction = False
+        self._local_probe = 0  # a parameter that received such a local gradient (see prepare_for_backward)
+        self.sync_flags = SyncFlagCheck()  # the wrapper's require_backward_grad_sync (it installs its own)
+        self.progress = ProgressRecord()  # where this rank is, for desync errors (the wrapper installs one)
         self.checks_nonfinite = check_nonfinite  # before each launch, see gradient_checks.nonfinite_error
         # While optimizer guards are attached: gradients written while their bucket was reduced.
         self._write_watch = GradientWriteWatch(self.names, self.params, self.rank)
@@ -127,6 +133,9 @@ class Reducer:
         # until the first synchronized backward ended: the graph is not learned yet).
         self._fires = [0] * len(self.params)
         self._expected_fires: list[int] | None = None
+        # Dynamic graph through a reentrant checkpoint: this backward only counts its gradients and
+        # reduces them all at its end (see reduce_at_end_of_backward).
+        self._counting_only = False
 
     def enable_static_graph(self) -> None:
         """Switch to ``static_graph=True`` (DDP's ``_set_static_graph``); only before the first backward
@@ -190,9 +199,11 @@ class Reducer:
 
     @property
     def needs_end_of_backward_trigger(self) -> bool:
-        """Static graph, first iteration: nothing is reduced during backward; the wrapper must
-        call :meth:`reduce_learned_graph` when backward reaches the outputs' end."""
-        return self.options.static_graph and self._expected_fires is None
+        """Static graph, first iteration, or a dynamic graph through a reentrant checkpoint: nothing is
+        reduced during backward; the wrapper must call :meth:`reduce_at_end_of_backward` when backward
+        reaches the outputs' end."""
+        first = self.options.static_graph and self._expected_fires is None
+        return first or (self._counting_only and self.state in _IN_BACKWARD)
 
     @property
     def final_layout_iteration(self) -> int:
@@ -302,12 +313,16 @@ class Reducer:
         With ``find_unused_parameters`` the forward's ``outputs`` tell which parameters it used.
         """
         self._ensure_prior_reduction_finished()
+        dropped = self.state is ReducerState.ARMED  # the previous forward's backward never came
+        if self.local_gradients_since_reduction and self.params[self._local_probe].grad is None:
+            self.sync_flags.discarded(self.rank, "zero_grad() (or setting .grad to None) before this forward")
         self._reset_iteration()
         self.synchronized_forwards += 1
+        self.progress.forward(self.synchronized_forwards, self.reductions, dropped)
         self._reduction.arm()
         self._record_ready, self._timing = self._layouts.start_iteration()
         if self._dynamic_unused:
-            self._unused = unreachable(outputs, self._accumulators)
+            self._unused, self._counting_only = unreachable(outputs, self._accumulators)
         self.state = ReducerState.ARMED  # IDLE or ARMED -> ARMED: this forward's backward is reduced
 
     def mark_ready(self, index: int) -> bool:
@@ -319,6 +334,15 @@ class Reducer:
             self._usage.mark_used(index)
         if self.state not in _IN_BACKWARD:
             self.local_gradients_since_reduction = True
+            self._local_probe = index
+            if self.sync_flags.requested:
+                self.sync_flags.unarmed_backward(self.rank)
+            return False
+        if not self.sync_flags.requested:
+            self.sync_flags.synced_under_no_sync(self.rank)
+        if self._counting_only:
+            self._fires[index] += 1
+            self.state = ReducerState.LEARNING  # ARMED -> LEARNING: reduced at the end of backward
             return False
         if self.options.static_graph:
             self._fires[index] += 1
@@ -338,8 +362,9 @@ class Reducer:
             raise RuntimeError(
                 f"Expected to mark a variable ready only once. Parameter {self.names[index]} (index {index}) "
                 f"received its gradient twice in one backward on rank {self.rank}. This happens when a "
-                "parameter is used outside forward, in reentrant backward (use static_graph=True), or in "
-                "several backwards of one forward; use no_sync() for all but the last backward."
+                "parameter is used outside forward, in two reentrant checkpoints (torch.utils.checkpoint with "
+                "use_reentrant=True: pass find_unused_parameters=True, or static_graph=True if the graph is the "
+                "same every step), or in several backwards of one forward (use no_sync() for all but the last)."
             )
         if self._record_ready is not None:
             self._record_ready(index)
@@ -382,10 +407,12 @@ class Reducer:
         if self.state in _IN_BACKWARD and not delayed.launched:
             delayed.launch(self._fence)
 
-    def reduce_learned_graph(self) -> None:
-        """Static graph, end of the first backward: learn who is unused, then reduce everything."""
-        self._used.launch_reduction(self.process_group)
-        self._expected_fires = list(self._fires)
+    def reduce_at_end_of_backward(self) -> None:
+        """End of a backward that only counted its gradients: every parameter that received none is
+        unused (in the static graph's first backward, for good); then reduce everything."""
+        if self.options.static_graph:
+            self._used.launch_reduction(self.process_group)
+            self._expected_fires = list(self._fires)
         self._unused = [i for i, fires in enumerate(self._fires) if fires == 0]
         self._unused_marked = True
         for index in range(len(self.params)):
@@ -474,6 +501,7 @@ class Reducer:
         self._fence.end_iteration()
         self._layouts.iteration_reduced(self._unused)
         self.reductions += 1
+        self.progress.reduced(self.synchronized_forwards, self.reductions)
         self.local_gradients_since_reduction = False
         self._record_ready, self._timing = None, None
         self.state = ReducerState.IDLE  # FINALIZING -> IDLE: every gradient written
@@ -497,7 +525,8 @@ class Reducer:
             timing.bucket_finalized(cast("Stamp", reduced_at), timing.now())
 
     def _complete(self, index: int) -> object:
-        """The bucket's reduced value, or an error that says which bucket and rank failed."""
+        """The bucket's reduced value, or an error that says which bucket and rank failed (and, from the
+        progress records, which ranks are behind)."""
         try:
             return self._fence.complete(index)
         except Exception as error:
@@ -505,8 +534,8 @@ class Reducer:
             names = ", ".join(self.names[i] for i in members[:4]) + (", ..." if len(members) > 4 else "")
             raise RuntimeError(
                 f"The reduction of bucket {index} ({len(members)} parameters: {names}) failed on rank "
-                f"{self.rank}: {error}. Another rank may have died or timed out. This iteration's gradients "
-                "were not reduced; the process group may no longer be usable."
+                f"{self.rank}: {error}. Another rank may have died or timed out.{self.progress.behind(index)} "
+                "This iteration's gradients were not reduced; the process group may no longer be usable."
             ) from error
 
     # -- errors -------------------------------------------------------------------------------

@@ -29,6 +29,14 @@ def queue_callback(callback: Callable[[], None]) -> None:
     _ENGINE.queue_callback(callback)
 
 
+def preserving_versions(tensors: Sequence[torch.Tensor]) -> Any:
+    """A context in which writes to ``tensors`` leave their autograd version counters as they were.
+
+    DDP's buffer broadcast runs under it, so a forward that saved a buffer for backward (BatchNorm's
+    running statistics) may be followed by another forward before that backward (GAN steps)."""
+    return torch.autograd.grad_mode._unsafe_preserve_version_counter(tuple(tensors))
+
+
 def in_backward() -> bool:
     """Whether the calling thread runs inside a backward (False where torch cannot tell)."""
     return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
@@ -36,6 +44,16 @@ def in_backward() -> bool:
 
 # The C type of ``torch.futures.Future`` (collectives return it directly, not the Python subclass).
 FUTURE_TYPES: tuple[type, ...] = (getattr(torch._C, "Future", torch.futures.Future),)
+
+# -- process groups ----------------------------------------------------------------------------------
+
+
+def group_store(process_group: Any) -> Any | None:
+    """The key-value store the process group was created with (None where torch does not say)."""
+    registry = getattr(getattr(torch.distributed.distributed_c10d, "_world", None), "pg_map", None)
+    entry = registry.get(process_group) if isinstance(registry, dict) else None
+    return entry[1] if isinstance(entry, tuple) and len(entry) == 2 else None
+
 
 # -- multi-tensor kernels: one launch per list where torch has them, a loop where it does not -------
 

@@ -28,12 +28,14 @@ from overlapddp.delayed_reduction import DelayedReduction
 from overlapddp.fence import Fence, FenceLog
 from overlapddp.join import OverlapJoinHook, announce_backward_sync, common_rank
 from overlapddp.mixed_precision import MixedPrecision, ParameterCasts, ReduceInPrecision, reduce_in_precision_hook
-from overlapddp.module_sync import broadcast_coalesced
+from overlapddp.module_sync import broadcast_buffers, broadcast_coalesced
 from overlapddp.optimizer_guard import OptimizerGuard
 from overlapddp.optimizer_overlap import OverlappedOptimizer
 from overlapddp.param_usage import map_tensors, tensors_in
 from overlapddp.pickling import bind_to_default_group, pickled_state, take_recipe
+from overlapddp.progress import ProgressRecord
 from overlapddp.reducer import Reducer
+from overlapddp.sync_checks import SyncFlagCheck
 from overlapddp.torch_compat import let_dcp_unwrap, queue_callback, to_kwargs
 
 
@@ -85,6 +87,9 @@ class OverlapDDP(nn.Module, Joinable):
         self._keep(module, args, built)
         self._delayed = synchronize(built, init_sync)
         self._reducer = built.recipe.build(dict(built.trainable), self.process_group, self._delayed)
+        self._reducer.sync_flags = self._sync_flags
+        self._reducer.progress = ProgressRecord(self.process_group, len(self._reducer.params), self.device)
+        self._reducer.fence.before_wait = self._reducer.progress.wait_for
         self._hook_handles = _register_ready_hooks(self._reducer, self._reducer.params)
         if self._delayed is not None:
             hook_param = cast(torch.Tensor, param_to_hook_all_reduce)  # checked by resolve
@@ -104,6 +109,7 @@ class OverlapDDP(nn.Module, Joinable):
         self.static_graph = args.static_graph
         self.batched_grad_copy = args.batched_grad_copy
         self.mixed_precision = args.mixed_precision
+        self._sync_flags = SyncFlagCheck()  # holds require_backward_grad_sync (see sync_checks.py)
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True  # set by join(); read by forward under Join
@@ -166,6 +172,8 @@ class OverlapDDP(nn.Module, Joinable):
     def _post_forward(self, output: Any) -> Any:
         if self._mixed_precision is not None and not torch.is_grad_enabled():
             self._mixed_precision[1].to_full()  # no backward will return them (DDP leaves them in param_dtype)
+        if torch.is_grad_enabled():
+            self._sync_flags.forward_synced = self.require_backward_grad_sync
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
             outputs = list(tensors_in(output)) if self.find_unused_parameters else []
@@ -177,7 +185,7 @@ class OverlapDDP(nn.Module, Joinable):
         return output
 
     def _broadcast_buffers(self, source: int) -> None:
-        broadcast_coalesced(self.modules_buffers, source, self.process_group)
+        broadcast_buffers(self.modules_buffers, source, self.process_group)
 
     def _broadcast_state(self, source: int, with_buffers: bool) -> None:
         """Parameters (and, ``with_buffers``, buffers) from rank ``source`` to all ranks."""
@@ -198,6 +206,15 @@ class OverlapDDP(nn.Module, Joinable):
     @broadcast_buffers.setter
     def broadcast_buffers(self, value: bool) -> None:
         self.forward_sync_buffers = value
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """Whether the next forward arms the reduction of its backward (DDP's flag; ``no_sync()`` sets it)."""
+        return self._sync_flags.requested
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._sync_flags.requested = value
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -366,6 +383,7 @@ class OverlapDDP(nn.Module, Joinable):
         super().__setstate__(state)
         self.process_group = group
         self._reducer = recipe.build(dict(self.module.named_parameters()), group)
+        self._reducer.sync_flags = self._sync_flags
         self._hook_handles = _register_ready_hooks(self._reducer, self._reducer.params)
         self._graph_splitter = GraphSplitter(self._reducer, self.bucket_bytes_cap)
 
@@ -480,7 +498,8 @@ def _at_end_of_backward(callback: Callable[[], None]) -> None:
 
 
 class _EndOfBackward(torch.autograd.Function):
-    """Identity on the outputs whose backward queues the static graph's first reduction.
+    """Identity on the outputs whose backward queues the reduction of a backward that only counts its
+    gradients (the static graph's first; one through a reentrant checkpoint with find_unused_parameters).
 
     Its backward runs first in the outermost graph task, so the queued callback runs when that
     whole backward (reentrant checkpoints included) has finished.
@@ -496,7 +515,7 @@ class _EndOfBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         if not getattr(ctx, "queued", False):
             ctx.queued = True
-            queue_callback(ctx.reducer.reduce_learned_graph)
+            queue_callback(ctx.reducer.reduce_at_end_of_backward)
         return (None, *grads)
 
 

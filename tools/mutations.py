@@ -42,6 +42,7 @@ READY_VALUES = "tests/test_ready_order.py::test_ranks_with_different_ready_order
 GUARD = "tests/test_guard.py::test_guard_raises_a_clear_error_naming_the_problem_and_rank"
 OVERLAP = "tests/test_optimizer_overlap.py"
 HANDED_OVER = "tests/test_race.py::test_each_collective_is_handed_the_complete_bucket_as_in_ddp"
+LOOPS = "tests/test_loops.py::test_gan_steps_and_reentrant_checkpoints_match_ddp"
 JOIN_WS2 = "tests/test_join.py::test_join_with_uneven_inputs_is_bit_equal_to_ddp_every_step_and_after[2]"
 STEM_FIRST = "tests/test_compile.py::test_every_bucket_but_the_stems_launches_in_the_first_half_of_a_compiled_backward"
 HOOK_VALUES = "tests/test_comm_hooks.py::test_hook_parameters_and_buffers_equal_ddp_after_every_step"
@@ -268,7 +269,7 @@ MUTATIONS = (
         "overlapddp/pickling.py",
         "    hooks = [] if reducer.comm_hook is None else [reducer.comm_hook[1]]\n",
         "    hooks = [] if reducer.comm_hook is None else [reducer.comm_hook[1]]\n"
-        '    state["require_backward_grad_sync"] = True\n',
+        '    state["_sync_flags"] = type(state["_sync_flags"])()\n',
         ("tests/test_pickling.py::test_a_copy_keeps_require_backward_grad_sync_as_ddp_copies_it[deepcopy]",),
     ),
     Mutation(
@@ -320,6 +321,22 @@ MUTATIONS = (
         "                    foreach_copy_([self.views[i] for i in chosen], reduced)\n",
         "",
         (f"{HOOK_VALUES}[mlp-sgd-default-gradient_as_bucket_view=True-hook=fp16_wrapper(allreduce)-keep_grads-2]",),
+    ),
+    Mutation(
+        "buffer_broadcast_bumps_versions",
+        "the forward's buffer broadcast bumps version counters: a GAN step's 2nd forward breaks the 1st's backward",
+        "overlapddp/module_sync.py",
+        "    with preserving_versions(buffers):\n        broadcast_coalesced(buffers, src, process_group)\n",
+        "    broadcast_coalesced(buffers, src, process_group)\n",
+        (f"{LOOPS}[2]",),
+    ),
+    Mutation(
+        "reentrant_checkpoint_not_seen",
+        "find_unused_parameters takes parameters behind a reentrant checkpoint for unused",
+        "overlapddp/param_usage.py",
+        '        hidden = hidden or getattr(node, "_forward_cls", None) is CheckpointFunction\n',
+        "",
+        (f"{LOOPS}[2]",),
     ),
 )
 

@@ -33,3 +33,10 @@ def arm_backward_sync(model: OverlapDDP, outputs: Sequence[torch.Tensor], caller
         )
     model.require_forward_param_sync = True
     reducer.prepare_for_backward(list(outputs))
+    if reducer.needs_end_of_backward_trigger:
+        raise RuntimeError(
+            f"{caller}: with find_unused_parameters=True and a reentrant checkpoint (use_reentrant=True) in "
+            "the graph, OverlapDDP reduces when backward reaches the forward's outputs, so the backward must "
+            "come from a synchronized forward; use use_reentrant=False, or static_graph=True if the graph "
+            "does not change."
+        )
