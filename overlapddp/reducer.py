@@ -322,7 +322,10 @@ class Reducer:
         self._reduction.arm()
         self._record_ready, self._timing = self._layouts.start_iteration()
         if self._dynamic_unused:
-            self._unused, self._counting_only = unreachable(outputs, self._accumulators)
+            self._unused, hidden = unreachable(outputs, self._accumulators)
+            # Only a checkpoint that hides parameters defers the reduction; one over an activation
+            # leaves every parameter reachable, and the backward overlaps as in DDP.
+            self._counting_only = hidden and bool(self._unused)
         self.state = ReducerState.ARMED  # IDLE or ARMED -> ARMED: this forward's backward is reduced
 
     def mark_ready(self, index: int) -> bool:

@@ -36,3 +36,21 @@ def test_a_framework_armed_backward_through_a_reentrant_checkpoint_is_refused(on
     out = model(torch.ones(2, 8), False)
     with pytest.raises(RuntimeError, match="Lightning: with find_unused_parameters=True and a reentrant checkpoint"):
         arm_backward_sync(model, [out], "Lightning")
+
+
+
+class _CheckpointedActivation(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(torch.tanh, x, use_reentrant=True)
+
+
+def test_a_reentrant_checkpoint_over_no_parameter_keeps_the_overlapped_path(one_rank):
+    """A checkpointed activation hides no parameter: the backward reduces as it goes, as DDP's does."""
+    model = OverlapDDP(torch.nn.Sequential(torch.nn.Linear(4, 4), _CheckpointedActivation()),
+                       find_unused_parameters=True)
+    out = model(torch.randn(2, 4))
+    assert not model._reducer._counting_only
+    out.sum().backward()
+    assert model.module[0].weight.grad is not None
