@@ -26,7 +26,7 @@ def gradient_bytes(model: OverlapDDP) -> int:
     """Bytes of distinct storages held by gradients and bucket buffers."""
     storages = {}
     tensors = [p.grad for p in model.parameters() if p.grad is not None]
-    tensors += [s.buffer for s in model._reducer._storages]
+    tensors += [p.storage.buffer for p in model._reducer.pipelines]
     for t in tensors:
         storage = t.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()

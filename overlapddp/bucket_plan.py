@@ -56,11 +56,12 @@ class BucketCaps:
         first = DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
         return cls(first_bytes=first, bytes_cap=cap)
 
-    def initial_limits(self, find_unused_parameters: bool, static_graph: bool) -> list[int]:
-        """Caps for the first iterations: one unlimited bucket unless unused parameters are searched."""
+    def initial_limits(self, searches_unused_each_forward: bool) -> list[int]:
+        """Caps for the first iterations: one unlimited bucket unless unused parameters are searched
+        each forward (then DDP never rebuilds, so the constructor's caps are final)."""
         if self.per_bucket is not None:
             return list(self.per_bucket)
-        if static_graph or not find_unused_parameters:
+        if not searches_unused_each_forward:
             return [sys.maxsize]
         return self.rebuild_limits() if self.first_bytes < self.bytes_cap else [self.bytes_cap]
 
@@ -142,11 +143,10 @@ def initial_plan(
     params: Sequence[torch.Tensor],
     sparse_gradient: Sequence[bool],
     caps: BucketCaps,
-    find_unused_parameters: bool,
-    static_graph: bool,
+    searches_unused_each_forward: bool,
 ) -> BucketPlan:
     """The layout before any backward ran: DDP assigns in registration order, then reverses the list."""
-    limits = caps.initial_limits(find_unused_parameters, static_graph)
+    limits = caps.initial_limits(searches_unused_each_forward)
     buckets = list(reversed(assign_by_size(params, limits, sparse_gradient)))
     return BucketPlan(tuple(b for b, _ in buckets), tuple(cap for _, cap in buckets))
 

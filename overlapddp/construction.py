@@ -4,7 +4,8 @@
 table) and resolves DDP's arguments to what the wrapper keeps, without any collective, so that a
 bad argument fails on every rank before any rank waits on another. :func:`synchronize` then runs the
 init-time collectives (DDP's): the delayed parameters' broadcast, the parameter check and the
-broadcast of rank 0's state. The wrapper builds the reducer and its hooks from the result.
+broadcast of rank 0's state. The wrapper builds its live parts from the result's recipe, the one way
+its copies build them too (pickling.py).
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ from torch import nn
 
 from overlapddp.backend_support import refuse_unsupported
 from overlapddp.bucket_plan import BucketCaps
-from overlapddp.delayed_reduction import DelayedReduction
+from overlapddp.delayed_reduction import check_delayed_parameters
 from overlapddp.mixed_precision import MixedPrecision
 from overlapddp.module_sync import broadcast_coalesced, verify_same_parameters
+from overlapddp.options import ReducerOptions
 from overlapddp.pickling import ReducerRecipe
-from overlapddp.reducer import ReducerOptions
 
 # "ddp": DDP's exact layout (bit-equal at every world size); "tuned": the fastest of a modelled plan
 # (tuning/cost_model.py) and DDP's fixed layouts, by measurement (tuning/selection.py).
@@ -95,7 +96,7 @@ class _Features:
 
     @property
     def dynamic_unused(self) -> bool:
-        return self.args.find_unused_parameters and not self.args.static_graph
+        return _reducer_options(self.args).searches_unused_each_forward
 
 
 def _mixed_precision_refused(name: str) -> str:
@@ -150,6 +151,7 @@ def resolve(module: nn.Module, args: Arguments) -> Construction:
             "delayed all-reduce at the end of its buckets' backward, so leave at least one parameter out of it."
         )
     _check_parameters(named, trainable)
+    hook_name = _hook_parameter_name(module, args.param_to_hook_all_reduce) if delayed else None
     device_ids, output_device = _resolve_devices(args.device_ids, args.output_device, named)
     forward_sync, init_sync_buffers = _resolve_buffer_sync(args.broadcast_buffers, args.forward_sync_buffers)
     caps = BucketCaps.from_user(args.bucket_cap_mb, args.bucket_cap_mb_list)
@@ -157,7 +159,10 @@ def resolve(module: nn.Module, args: Arguments) -> Construction:
     sparse_names = [n for (n, _), s in zip(trainable, sparse, strict=True) if s]
     refuse_unsupported(group, trainable[0][1].device, sparse_names)
     _check_combinations(args, _Features(args, bool(delayed), sparse_names))
-    recipe = ReducerRecipe(tuple(n for n, _ in trainable), caps, tuple(sparse), _reducer_options(args))
+    recipe = ReducerRecipe(
+        tuple(n for n, _ in trainable), caps, tuple(sparse), _reducer_options(args),
+        delayed_names=tuple(n for n, _ in delayed), hook_parameter=hook_name,
+    )
     buffers = [b for n, b in module.named_buffers() if n not in ignored]
     return Construction(
         group, ignored, trainable, delayed, buffers, device_ids, output_device, forward_sync, init_sync_buffers,
@@ -193,23 +198,19 @@ def _check_combinations(args: Arguments, features: _Features) -> None:
             raise error(message(features))
 
 
-def synchronize(construction: Construction, init_sync: bool) -> DelayedReduction | None:
+def synchronize(construction: Construction, init_sync: bool) -> None:
     """DDP's init-time collectives: the delayed parameters from rank 0 (whatever ``init_sync`` says,
     as DDP does), then, with ``init_sync``, the parameter check and rank 0's state (buffers too
     unless ``forward_sync_buffers=False`` said otherwise)."""
     group = construction.process_group
-    delayed = None
     if construction.delayed:
-        params, names = [p for _, p in construction.delayed], [n for n, _ in construction.delayed]
-        delayed = DelayedReduction(params, names, group)
-        broadcast_coalesced([p.detach() for p in params], 0, group)
+        broadcast_coalesced([p.detach() for _, p in construction.delayed], 0, group)
     if init_sync:
         verify_same_parameters([n for n, _ in construction.trainable], [p for _, p in construction.trainable], group)
         states = list(construction.synchronized)
         if construction.init_sync_buffers:
             states += construction.buffers
         broadcast_coalesced(states, 0, group)
-    return delayed
 
 
 def _resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any | None) -> dist.ProcessGroup:
@@ -250,9 +251,21 @@ def _delayed_parameters(
         chosen.append((name, param))
     if not chosen:  # as in DDP, an empty list delays nothing
         return []
+    check_delayed_parameters([p for _, p in chosen], [n for n, _ in chosen])
     if not isinstance(hook_param, torch.Tensor) or not hook_param.requires_grad or not hook_param.is_leaf:
         raise ValueError("param_to_hook_all_reduce must be a parameter (a leaf tensor) that requires grad.")
     return chosen
+
+
+def _hook_parameter_name(module: nn.Module, hook_param: nn.Parameter | None) -> str:
+    """The module's name for ``param_to_hook_all_reduce`` (a copy of the wrapper finds it by name)."""
+    for name, param in module.named_parameters():
+        if param is hook_param:
+            return name
+    raise ValueError(
+        "param_to_hook_all_reduce must be a parameter of the wrapped module (its gradient starts the delayed "
+        "all-reduce during this module's backward); pass one of module.parameters()."
+    )
 
 
 def _expects_sparse_gradient(module: nn.Module, params: list[torch.Tensor]) -> list[bool]:
@@ -283,6 +296,25 @@ def _check_parameters(named: list[tuple[str, torch.Tensor]], trainable: list[tup
         by_type = {t: [n for n, p in named if p.device.type == t][:3] for t in sorted(device_types)}
         raise ValueError(
             f"OverlapDDP's input module must be on one type of device, but its parameters are on {by_type}."
+        )
+    where: dict[torch.device, list[str]] = {}
+    for name, param in trainable:
+        where.setdefault(param.device, []).append(name)
+    if len(where) > 1:  # one fence orders one device's streams
+        listed = "; ".join(
+            f"{d}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}" for d, names in where.items()
+        )
+        raise ValueError(
+            f"OverlapDDP reduces a module that lives on one device, but its parameters are on {len(where)} "
+            f"devices ({listed}). Move the module to one GPU (one process per GPU); stock "
+            "torch.nn.parallel.DistributedDataParallel accepts such a module (device_ids=None) and reduces it "
+            "without overlap guarantees across devices."
+        )
+    sparse = [n for n, p in trainable if p.is_sparse]
+    if sparse:
+        raise ValueError(
+            f"Parameters {', '.join(sparse)} are sparse tensors; OverlapDDP, like DDP, reduces dense parameters "
+            "(their gradients may be sparse: nn.Embedding(sparse=True)). Make the parameters dense."
         )
 
 

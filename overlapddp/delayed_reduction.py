@@ -28,16 +28,20 @@ from overlapddp.fence import Fence
 FENCE_KEY = -2
 
 
+def check_delayed_parameters(params: Sequence[torch.Tensor], names: Sequence[str]) -> None:
+    """They are reduced in one flat buffer: one dtype and one device (checked before any collective)."""
+    kinds = {(p.dtype, p.device) for p in params}
+    if len(kinds) > 1:
+        raise ValueError(
+            "delay_all_reduce_named_params must share one dtype and device (they are reduced in one flat "
+            f"buffer), got {sorted(map(str, kinds))} for {', '.join(names)}."
+        )
+
+
 class DelayedReduction:
     """One flat all-reduce of the delayed parameters' gradients per synchronized backward."""
 
     def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str], process_group: dist.ProcessGroup) -> None:
-        kinds = {(p.dtype, p.device) for p in params}
-        if len(kinds) != 1:
-            raise ValueError(
-                "delay_all_reduce_named_params must share one dtype and device (they are reduced in one flat "
-                f"buffer), got {sorted(map(str, kinds))} for {', '.join(names)}."
-            )
         self.params = list(params)
         self.names = list(names)
         self._process_group = process_group

@@ -93,7 +93,9 @@ class Fence:
     # completes at enqueue, so on CUDA the log keeps the time the consumer waited instead.
     futures_complete_when_done = True
 
-    def __init__(self) -> None:
+    def __init__(self, before_wait: Callable[[int, Future], None] | None = None) -> None:
+        # Called with (bucket, future) before ``complete`` waits: the desync records note the wait.
+        self._before_wait = before_wait
         # Future of each launched bucket's collective. Produced by ``launch`` (the autograd hook
         # thread), waited on by ``complete`` (the end-of-backward callback); cleared when consumed.
         self._in_flight: dict[int, Future] = {}
@@ -107,8 +109,6 @@ class Fence:
         self._clock = HostClock()
         self._finished_at: dict[int, Stamp] = {}
         self._launched_at: dict[int, float] = {}
-        # Called with (bucket, future) before ``complete`` waits: the desync records note the wait.
-        self.before_wait: Callable[[int, Future], None] | None = None
 
     def _record(self, bucket: int, edge: str, actor: str, event: str | None = None, at: float | None = None) -> None:
         if self.log is not None:
@@ -152,8 +152,8 @@ class Fence:
         future = self._in_flight.pop(bucket, None)
         if future is None:
             raise RuntimeError(f"Bucket {bucket} was asked for its result but was never launched.")
-        if self.before_wait is not None:
-            self.before_wait(bucket, future)
+        if self._before_wait is not None:
+            self._before_wait(bucket, future)
         value = self._wait(future)
         finished = None
         if bucket in self._launched_at:  # logging with host-visible completion
@@ -211,8 +211,10 @@ class CudaFence(Fence):
 
     futures_complete_when_done = False
 
-    def __init__(self, device: torch.device, kit: CudaKit | None = None) -> None:
-        super().__init__()
+    def __init__(
+        self, device: torch.device, kit: CudaKit | None = None, before_wait: Callable[[int, Future], None] | None = None
+    ) -> None:
+        super().__init__(before_wait)
         self._kit = CudaKit(device) if kit is None else kit
         # Stream the collectives are issued on; it waits on each bucket's ``_produced`` event, and
         # the consumer waits on it through the event ``complete`` records after the collective. High
@@ -372,22 +374,7 @@ def _tensors_of(value: object) -> list[torch.Tensor]:
     return [t for t in items if isinstance(t, torch.Tensor)]
 
 
-def fence_for(devices: dict[str, torch.device]) -> Fence:
-    """The fence that matches where the gradients (``devices``: parameter name -> device) live.
-
-    One fence orders one device's streams, so a module spread over several GPUs is refused.
-    """
-    where: dict[torch.device, list[str]] = {}
-    for name, device in devices.items():
-        where.setdefault(device, []).append(name)
-    if len(where) > 1:
-        listed = "; ".join(
-            f"{d}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}" for d, names in where.items()
-        )
-        raise ValueError(
-            f"OverlapDDP reduces a module that lives on one device, but its parameters are on {len(where)} "
-            f"devices ({listed}). Move the module to one GPU (one process per GPU), or use "
-            "torch.nn.parallel.DistributedDataParallel for a module spread over several devices."
-        )
-    device = next(iter(where))
-    return CudaFence(device) if device.type == "cuda" else Fence()
+def fence_for(device: torch.device, before_wait: Callable[[int, Future], None] | None = None) -> Fence:
+    """The fence that orders the streams of ``device``, where every reduced gradient lives (one device
+    per wrapper: construction refuses a module spread over several)."""
+    return CudaFence(device, before_wait=before_wait) if device.type == "cuda" else Fence(before_wait)

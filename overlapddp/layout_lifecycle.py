@@ -13,16 +13,15 @@ only to report the timings it measures.
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Callable, Sequence
+import dataclasses
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from overlapddp.bucket_plan import BucketCaps, BucketPlan, explicit_plan, initial_plan, rebuilt_plan
+from overlapddp.options import ReducerOptions
 from overlapddp.tuning.tuner import TUNING_ITERATIONS, PlanTuner
-
-if TYPE_CHECKING:
-    from overlapddp.reducer import ReducerOptions
 
 
 class LayoutPhase(enum.Enum):
@@ -46,8 +45,7 @@ class LayoutLifecycle:
         self._params = list(params)
         self._sparse_gradient = list(sparse_gradient)
         self._caps = caps
-        self._find_unused_parameters = options.find_unused_parameters
-        self._static_graph = options.static_graph
+        self._options = options
         self._tuner = PlanTuner(self._params, self._sparse_gradient) if options.tuned_plan else None
         # This rank's gradient-ready order, appended to by the reducer during synchronized backwards
         # while the rebuild is awaited; broadcast from rank 0 and consumed by the rebuild.
@@ -56,8 +54,8 @@ class LayoutLifecycle:
         self.phase = self._first_phase()
 
     def _first_phase(self) -> LayoutPhase:
-        # DDP rebuilds once, unless it searches unused parameters on a dynamic graph.
-        if self._static_graph or not self._find_unused_parameters:
+        # DDP rebuilds once, unless it searches unused parameters each forward.
+        if not self._options.searches_unused_each_forward:
             return LayoutPhase.AWAITING_REBUILD
         return self._after_rebuild()
 
@@ -66,9 +64,7 @@ class LayoutLifecycle:
 
     def initial_plan(self) -> BucketPlan:
         """The constructor's layout: DDP's, from the parameters' reverse order."""
-        return initial_plan(
-            self._params, self._sparse_gradient, self._caps, self._find_unused_parameters, self._static_graph
-        )
+        return initial_plan(self._params, self._sparse_gradient, self._caps, self._options.searches_unused_each_forward)
 
     @property
     def changed(self) -> bool:
@@ -77,7 +73,7 @@ class LayoutLifecycle:
 
     def enable_static_graph(self) -> None:
         """``_set_static_graph`` before anything ran: the rebuild now waits for the second backward."""
-        self._static_graph = True
+        self._options = dataclasses.replace(self._options, static_graph=True)
         self.phase = self._first_phase()
 
     @property
@@ -90,7 +86,7 @@ class LayoutLifecycle:
         """The first synchronized iteration (from 0) whose buckets stay: DDP's rebuild is in force from
         iteration 1 (2 with a static graph); the tuned plan, measured and selected after it, at the
         latest this many later."""
-        ddp = 2 if self._static_graph else 1
+        ddp = 2 if self._options.static_graph else 1
         return ddp + (TUNING_ITERATIONS if self._tuner is not None else 0)
 
     @property
@@ -138,7 +134,7 @@ class LayoutLifecycle:
 
     def iteration_reduced(self, unused: Sequence[int]) -> None:
         """Every bucket was completed (finalize); ``unused``: the parameters that never fired."""
-        if self.phase is LayoutPhase.AWAITING_REBUILD and self._static_graph and self._ready_order:
+        if self.phase is LayoutPhase.AWAITING_REBUILD and self._options.static_graph and self._ready_order:
             # DDP appends the parameters that never fired to the recorded order at finalize.
             self._ready_order += list(unused)
         if self._tuner is not None:

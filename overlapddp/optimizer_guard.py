@@ -65,7 +65,7 @@ class OptimizerGuard:
 
     def check(self, action: str) -> None:
         """Raise unless ``action`` may read the gradients now."""
-        busy = self._reducer.in_flight()
+        busy = self._reducer.unfinished_buckets()
         if busy:
             raise RuntimeError(
                 f"{action} was called while buckets {busy} of the current backward are still being reduced "
@@ -100,7 +100,7 @@ class OptimizerGuard:
         self._stepped_at = self._reducer.reductions
 
     def _zero_grad(self, *args: Any, **kwargs: Any) -> Any:
-        busy = self._reducer.in_flight()
+        busy = self._reducer.unfinished_buckets()
         if busy:
             raise RuntimeError(
                 f"optimizer.zero_grad() was called while buckets {busy} are still being reduced on rank "

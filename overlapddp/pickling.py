@@ -1,15 +1,17 @@
-"""What a copied or pickled ``OverlapDDP`` carries, and how the copy gets a reducer: as DDP does.
+"""What a copied or pickled ``OverlapDDP`` carries, and how a wrapper's reducer is built: one way.
 
 DDP pickles its ``__dict__`` without the process group, the reducer and the logger; the copy binds
 to the default process group and builds a new reducer, as at construction: the initial bucket
 layout, the ready-order rebuild after its own first iteration, a static graph learned again, no
 communication hook. OverlapDDP does the same (a copy of the two trains bit-equal), and carries the
-reducer's construction arguments so that it can. What is not carried, and why, is listed in
-docs/compatibility.md.
+reducer's recipe: :meth:`ReducerRecipe.build` is the one function that builds and wires a reducer,
+for the constructor and for every copy (its fence, its desync records, the delayed all-reduce).
+What is not carried, and why, is listed in docs/compatibility.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import Any, cast
@@ -20,13 +22,13 @@ import torch.distributed as dist
 from overlapddp.bucket_plan import BucketCaps
 from overlapddp.delayed_reduction import DelayedReduction
 from overlapddp.fence import fence_for
-from overlapddp.reducer import Reducer, ReducerOptions
+from overlapddp.options import ReducerOptions
+from overlapddp.progress import ProgressRecord
+from overlapddp.reducer import Reducer
+from overlapddp.sync_checks import SyncFlagCheck
 
 # Live objects: bound to this process's group and autograd graph, rebuilt by the copy.
-_NOT_PICKLED = ("process_group", "_reducer", "_hook_handles", "_graph_splitter")
-# Set up at construction with live collectives of their own; a copy would need them rebuilt too.
-_NOT_COPYABLE = {"_delayed": "delay_all_reduce_named_params", "_mixed_precision": "mixed_precision"}
-_RECIPE = "_overlapddp_reducer_recipe"
+_NOT_PICKLED = ("process_group", "_reducer", "_hook_handles", "_graph_splitter", "_mixed_precision")
 
 
 @dataclass(frozen=True)
@@ -39,23 +41,32 @@ class ReducerRecipe:
     options: ReducerOptions
     checks_nonfinite: bool = False
     dropped_hooks: tuple[str, ...] = ()  # communication hooks the original had; named in a warning
+    delayed_names: tuple[str, ...] = ()  # delay_all_reduce_named_params, by name
+    hook_parameter: str | None = None  # param_to_hook_all_reduce, by name (set with delayed_names)
 
     def build(
         self,
         parameters: dict[str, torch.Tensor],
         process_group: dist.ProcessGroup,
-        delayed: DelayedReduction | None = None,
+        sync_flags: SyncFlagCheck,
     ) -> Reducer:
-        """A new reducer, as constructed, for the parameters of these names: the one way the wrapper
-        and its copies build one."""
-        missing = [n for n in self.names if n not in parameters]
+        """A new reducer, as constructed, for the parameters of these names, wired to its fence, its
+        desync records (which rank is behind) and the wrapper's sync flag: the one way the wrapper and
+        its copies build one."""
+        wanted = (*self.names, *self.delayed_names, *([self.hook_parameter] if self.hook_parameter else []))
+        missing = [n for n in wanted if n not in parameters]
         if missing:
             raise RuntimeError(f"The copied module lacks the parameters {missing} that its OverlapDDP reduced.")
         params = [parameters[n] for n in self.names]
-        fence = fence_for(dict(zip(self.names, (p.device for p in params), strict=True)))
+        device = params[0].device
+        progress = ProgressRecord(process_group, len(params), device)
+        delayed = None
+        if self.delayed_names:
+            delayed = DelayedReduction([parameters[n] for n in self.delayed_names], self.delayed_names, process_group)
         return Reducer(
-            params, self.names, process_group, fence, self.caps, self.sparse_gradient, self.options,
-            delayed=delayed, check_nonfinite=self.checks_nonfinite,
+            params, self.names, process_group, fence_for(device, before_wait=progress.wait_for), self.caps,
+            self.sparse_gradient, self.options, delayed=delayed, check_nonfinite=self.checks_nonfinite,
+            sync_flags=sync_flags, progress=progress,
         )
 
 
@@ -68,27 +79,23 @@ def pickled_state(attributes: dict[str, Any]) -> dict[str, Any]:
             "group (constructed without process_group or device_mesh); save model.module or "
             "model.state_dict() instead."
         )
-    refused = [argument for name, argument in _NOT_COPYABLE.items() if attributes.get(name) is not None]
-    if refused:
-        raise RuntimeError(
-            f"An OverlapDDP constructed with {' and '.join(refused)} cannot be copied or pickled yet; copy or "
-            "save model.module (or model.state_dict()) and wrap the copy in a new OverlapDDP."
-        )
     reducer: Reducer = attributes["_reducer"]
     state = {k: v for k, v in attributes.items() if k not in _NOT_PICKLED}
-    hooks = [] if reducer.comm_hook is None else [reducer.comm_hook[1]]
-    state[_RECIPE] = ReducerRecipe(
-        tuple(reducer.names), reducer.caps, tuple(reducer.sparse_gradient), reducer.options, reducer.checks_nonfinite,
-        tuple(getattr(hook, "__qualname__", repr(hook)) for hook in hooks),
+    # Mixed precision's reduction is the wrapper's own, rebuilt with it: only a user's hook is dropped.
+    hooks = [] if reducer.comm_hook is None or attributes.get("_mixed_precision") else [reducer.comm_hook[1]]
+    recipe: ReducerRecipe = attributes["_recipe"]
+    state["_recipe"] = dataclasses.replace(
+        recipe, options=reducer.options, checks_nonfinite=reducer.checks_nonfinite,
+        dropped_hooks=tuple(getattr(hook, "__qualname__", repr(hook)) for hook in hooks),
     )
     return state
 
 
-def take_recipe(state: dict[str, Any]) -> ReducerRecipe:
-    """Remove and return the recipe that :func:`pickled_state` put in ``state``."""
-    if _RECIPE not in state:
+def recipe_of(state: dict[str, Any]) -> ReducerRecipe:
+    """The recipe that :func:`pickled_state` left in ``state``."""
+    if "_recipe" not in state:
         raise RuntimeError("This pickled OverlapDDP has no reducer recipe; it was not pickled by OverlapDDP.")
-    return state.pop(_RECIPE)
+    return cast(ReducerRecipe, state["_recipe"])
 
 
 def bind_to_default_group(recipe: ReducerRecipe) -> dist.ProcessGroup:

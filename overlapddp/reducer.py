@@ -1,11 +1,13 @@
-"""When each thing happens: the reducer's state machine, driven by ``mark_ready(i)`` and ``finalize()``.
+"""When does each thing happen? The reducer's state machine, driven by ``mark_ready(i)`` and ``finalize()``.
 
-It knows tensors, buckets and collectives, never ``nn.Module`` or autograd hooks, so it can be
-driven by hand in tests. The wrapper calls, per iteration:
+It counts gradients and decides when a bucket launches and when the iteration ends; how a bucket is
+filled, launched, completed and written back is its pipeline's (bucket_pipeline.py). It knows
+tensors, buckets and collectives, never ``nn.Module`` or autograd hooks, so it can be driven by
+hand in tests. The wrapper calls, per iteration:
 
 ``prepare_for_forward()`` (grad-enabled forward: apply a pending rebuild) ->
-``prepare_for_backward()`` (synchronized forward: expect gradients) ->
-``mark_ready(i)`` once per parameter (copy in; launch complete buckets in index order) ->
+``prepare_for_backward()`` (synchronized forward: expect gradients; fix the graph mode) ->
+``mark_ready(i)`` once per parameter (count it; launch complete buckets in index order) ->
 ``finalize()`` once, at the end of backward (complete every bucket; write ``param.grad``).
 """
 
@@ -13,21 +15,22 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 import torch
 import torch.distributed as dist
 
+from overlapddp.bucket_pipeline import BucketPipeline, SharedStages
 from overlapddp.bucket_plan import BucketCaps, BucketPlan
-from overlapddp.bucket_storage import BucketStorage
 from overlapddp.bucket_reduction import BucketReduction
-from overlapddp.comm_hook import Bucket, CommHook, hook_result
+from overlapddp.bucket_storage import BucketStorage
+from overlapddp.comm_hook import CommHook
 from overlapddp.delayed_reduction import DelayedReduction
 from overlapddp.fence import Fence
+from overlapddp.gradient_checks import GradientWriteWatch
 from overlapddp.layout_lifecycle import LayoutLifecycle
-from overlapddp.gradient_checks import GradientWriteWatch, nonfinite_error
+from overlapddp.options import ReducerOptions
 from overlapddp.param_usage import UsageMap, grad_accumulators, unreachable
 from overlapddp.progress import ProgressRecord
 from overlapddp.sparse_reduction import SparseBucketStorage
@@ -36,43 +39,59 @@ from overlapddp.token_weighting import TokenCount
 from overlapddp.torch_compat import in_backward
 
 if TYPE_CHECKING:
-    from overlapddp.tuning.clock import Stamp
     from overlapddp.tuning.tuner import PlanTuner
 
 
 class ReducerState(enum.Enum):
-    """Where the reducer is in an iteration: the only record of it.
+    """Where the reducer is in an iteration.
 
     IDLE -> ARMED (prepare_for_backward) -> REDUCING (first gradient counted in) -> FINALIZING
-    (finalize) -> IDLE; a static graph's first backward: ARMED -> LEARNING (first gradient) ->
-    REDUCING (reduce_at_end_of_backward counts every gradient in) -> FINALIZING -> IDLE, and so does
-    a dynamic graph's backward through a reentrant checkpoint (find_unused_parameters). A failure
-    abandons the iteration: any state -> IDLE (_abandon).
+    (finalize) -> IDLE; in a backward that only counts its gradients (see :class:`GraphMode`):
+    ARMED -> LEARNING (first gradient) -> REDUCING (reduce_at_end_of_backward counts every gradient
+    in) -> FINALIZING -> IDLE. A failure abandons the iteration: any state -> IDLE (_abandon).
     """
 
     IDLE = "idle"  # no synchronized backward expected: before the first forward, or after finalize
     ARMED = "armed"  # a synchronized forward ran; its backward's gradients are to be reduced, none came yet
-    LEARNING = "learning"  # gradients are counted, nothing launched (static graph's first; reentrant checkpoint)
+    LEARNING = "learning"  # gradients are counted, nothing launched (GraphMode.LEARNING_STATIC or COUNTING_ONLY)
     REDUCING = "reducing"  # gradients are copied in and complete buckets launched; finalize is owed
     FINALIZING = "finalizing"  # the end-of-backward callback is completing buckets
+
+
+class GraphMode(enum.Enum):
+    """How this backward's gradients are counted: fixed once per backward, by prepare_for_backward."""
+
+    OVERLAP = "overlap"  # each gradient counts once; a bucket launches when complete (DDP's usual backward)
+    LEARNING_STATIC = "learning static graph"  # static graph's first backward: count firings, reduce at its end
+    STATIC = "static graph learned"  # a gradient counts once it fired as often as in the first backward
+    COUNTING_ONLY = "counting only"  # a reentrant checkpoint hides parameters: count firings, reduce at the end
 
 
 # A gradient arriving in these states belongs to a synchronized backward (otherwise it is local).
 _IN_BACKWARD = (ReducerState.REDUCING, ReducerState.ARMED, ReducerState.LEARNING)  # most frequent first
 # The states a new iteration may not start from: a backward began and its reduction is unfinished.
 _UNFINISHED = (ReducerState.LEARNING, ReducerState.REDUCING, ReducerState.FINALIZING)
+# The modes whose backward reduces nothing until it ends (the wrapper adds the end-of-backward trigger).
+_REDUCED_AT_END = (GraphMode.LEARNING_STATIC, GraphMode.COUNTING_ONLY)
 
 
-@dataclass(frozen=True)
-class ReducerOptions:
-    """DDP's behaviour switches that change when and how gradients are reduced."""
+@dataclass
+class _Iteration:
+    """What one synchronized backward has counted so far: made new by prepare_for_backward."""
 
-    find_unused_parameters: bool = False  # search each forward's graph; skip globally unused grads
-    static_graph: bool = False  # learn the graph in iteration 1, reduce it all at its end
-    gradient_as_bucket_view: bool = False  # param.grad is a view into its bucket, no copy-out
-    batched_grad_copy: bool = False  # copy unscaled, then divide each bucket (true division)
-    skip_all_reduce_unused_params: bool = False  # never reduce buckets holding only unused params
-    tuned_plan: bool = False  # after DDP's rebuild, measure, model and select buckets (tuning/tuner.py)
+    marked: list[bool]  # per parameter: counted in (its bucket has it)
+    fires: list[int]  # per parameter: hook firings (the modes that count them)
+    unused: list[int] = field(default_factory=list)  # counted in without a gradient: no output reached them
+    unused_marked: bool = False  # ``unused`` were counted in (at this backward's first gradient)
+    next_launch: int = 0  # the next bucket to launch: buckets launch in index order
+    # From the layout lifecycle: where to record each fired gradient (while DDP's rebuild is awaited),
+    # and the tuner while it measures.
+    record_ready: Callable[[int], None] | None = None
+    timing: PlanTuner | None = None
+
+    @classmethod
+    def empty(cls, count: int) -> _Iteration:
+        return cls([False] * count, [0] * count)
 
 
 class Reducer:
@@ -90,27 +109,29 @@ class Reducer:
         *,
         delayed: DelayedReduction | None = None,
         check_nonfinite: bool = False,
+        sync_flags: SyncFlagCheck | None = None,
+        progress: ProgressRecord | None = None,
     ) -> None:
         self.params = list(params)
         self.names = list(names)
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
-        self._fence = fence
         self._caps = caps
         self._sparse_gradient = list(sparse_gradient)
-        self._reduction = BucketReduction(process_group, options.batched_grad_copy)  # what each collective does
         self.state = ReducerState.IDLE
-        # Read by the optimizer guards: reductions and synchronized forwards so far, and whether a
-        # no_sync backward left local gradients since the last reduction (a fact about param.grad
-        # that outlives the iteration's state: it holds through ARMED and LEARNING).
+        self.mode = GraphMode.OVERLAP
+        # Read by the optimizer guards: reductions and synchronized forwards so far.
         self.reductions = self.synchronized_forwards = 0
-        self.local_gradients_since_reduction = False
-        self._local_probe = 0  # a parameter that received such a local gradient (see prepare_for_backward)
-        self.sync_flags = SyncFlagCheck()  # the wrapper's require_backward_grad_sync (it installs its own)
-        self.progress = ProgressRecord()  # where this rank is, for desync errors (the wrapper installs one)
-        self.checks_nonfinite = check_nonfinite  # before each launch, see gradient_checks.nonfinite_error
-        # While optimizer guards are attached: gradients written while their bucket was reduced.
-        self._write_watch = GradientWriteWatch(self.names, self.params, self.rank)
+        # A parameter that received a local (no_sync) gradient since the last reduction, or None: a fact
+        # about param.grad that outlives the iteration's state (it holds through ARMED and LEARNING).
+        self._local_probe: int | None = None
+        self.sync_flags = SyncFlagCheck() if sync_flags is None else sync_flags  # the wrapper's flag
+        self.progress = ProgressRecord() if progress is None else progress  # where this rank is, for desyncs
+        self._shared = SharedStages(
+            fence, BucketReduction(process_group, options.batched_grad_copy),
+            GradientWriteWatch(self.names, self.params, self.rank), self.progress, self.names,
+            options.gradient_as_bucket_view, check_nonfinite,
+        )
         # Called in finalize with each bucket's parameters once its gradients are written, while
         # later buckets may still be reducing: the overlapped optimizer's per-bucket update.
         self.after_bucket_reduced: Callable[[list[torch.Tensor]], None] | None = None
@@ -126,16 +147,10 @@ class Reducer:
         self.options = options
         tracks_usage = options.find_unused_parameters or options.static_graph
         self._usage = UsageMap(len(self.params), self.params[0].device) if tracks_usage else None
-        self._accumulators = grad_accumulators(self.params) if self._dynamic_unused else []
-        # Parameters no output reached (dynamic) or whose hook never fired in iteration 1 (static).
-        self._unused: list[int] = []
-        # Static graph: hook firings per parameter in this backward, and in the first one (None
-        # until the first synchronized backward ended: the graph is not learned yet).
-        self._fires = [0] * len(self.params)
-        self._expected_fires: list[int] | None = None
-        # Dynamic graph through a reentrant checkpoint: this backward only counts its gradients and
-        # reduces them all at its end (see reduce_at_end_of_backward).
-        self._counting_only = False
+        self._accumulators = grad_accumulators(self.params) if options.searches_unused_each_forward else []
+        # Static graph: each parameter's hook firings in its first backward (None until that backward
+        # was reduced: the graph is not learned yet).
+        self._learned_fires: list[int] | None = None
 
     def enable_static_graph(self) -> None:
         """Switch to ``static_graph=True`` (DDP's ``_set_static_graph``); only before the first backward
@@ -148,13 +163,18 @@ class Reducer:
         self._configure(dataclasses.replace(self.options, static_graph=True))
         self._layouts.enable_static_graph()
 
+    @property
+    def checks_nonfinite(self) -> bool:
+        """Whether each bucket's gradients are checked for NaN and Inf before launch (see gradient_checks.py)."""
+        return self._shared.check_nonfinite
+
     def set_nonfinite_check(self, enabled: bool) -> None:
         """Turn the non-finite gradient check on or off (see gradient_checks.py)."""
-        self.checks_nonfinite = enabled
+        self._shared.check_nonfinite = enabled
 
     def watch_gradient_writes(self, watching: bool = True) -> None:
         """An optimizer guard attaches (or, ``watching=False``, detaches): see gradient_checks.py."""
-        self._write_watch.watchers += 1 if watching else -1
+        self._shared.write_watch.watchers += 1 if watching else -1
 
     def set_reduction_callbacks(
         self, after_bucket: Callable[[list[torch.Tensor]], None] | None, after_all: Callable[[], None] | None
@@ -168,25 +188,18 @@ class Reducer:
         self.plan = plan
         located = plan.locate()
         self._bucket_of = [located[i][0] for i in range(len(self.params))]
-        self._storages = [self._new_storage(b, members) for b, members in enumerate(plan.buckets)]
-        self._reset_iteration()
+        self.pipelines = [self._new_pipeline(b, members) for b, members in enumerate(plan.buckets)]
+        self._iteration = _Iteration.empty(len(self.params))
 
-    def _new_storage(self, index: int, members: Sequence[int]) -> BucketStorage | SparseBucketStorage:
-        """A flat buffer, or for a parameter that expects a sparse gradient its own gradient (sparse_reduction.py)."""
+    def _new_pipeline(self, index: int, members: Sequence[int]) -> BucketPipeline:
+        """A bucket's pipeline over a flat buffer, or for a parameter that expects a sparse gradient its
+        own gradient (sparse_reduction.py)."""
+        storage: BucketStorage | SparseBucketStorage
         if self._sparse_gradient[members[0]]:
-            return SparseBucketStorage(index, [self.params[members[0]]], self.names[members[0]])
-        return BucketStorage(index, [self.params[i] for i in members])
-
-    def _reset_iteration(self) -> None:
-        self._missing = [len(members) for members in self.plan.buckets]  # per bucket: gradients not copied in
-        self._marked = [False] * len(self.params)
-        self._next_launch = 0
-        self._unused_marked = False
-        self._fires = [0] * len(self.params)
-        # Per synchronized backward, from the layout lifecycle: where to record each fired gradient
-        # (while DDP's rebuild is awaited) and the tuner while it measures; None otherwise.
-        self._record_ready: Callable[[int], None] | None = None
-        self._timing: PlanTuner | None = None
+            storage = SparseBucketStorage(index, [self.params[members[0]]], self.names[members[0]])
+        else:
+            storage = BucketStorage(index, [self.params[i] for i in members])
+        return BucketPipeline(index, members, storage, self._shared, is_last=index == len(self.plan.buckets) - 1)
 
     @property
     def _used(self) -> UsageMap:
@@ -194,16 +207,20 @@ class Reducer:
         return cast(UsageMap, self._usage)
 
     @property
-    def _dynamic_unused(self) -> bool:
-        return self.options.find_unused_parameters and not self.options.static_graph
+    def needs_end_of_backward_trigger(self) -> bool:
+        """This backward only counts its gradients (:data:`_REDUCED_AT_END`): the wrapper must call
+        :meth:`reduce_at_end_of_backward` when backward reaches the outputs' end."""
+        return self.mode in _REDUCED_AT_END and self.state in _IN_BACKWARD
 
     @property
-    def needs_end_of_backward_trigger(self) -> bool:
-        """Static graph, first iteration, or a dynamic graph through a reentrant checkpoint: nothing is
-        reduced during backward; the wrapper must call :meth:`reduce_at_end_of_backward` when backward
-        reaches the outputs' end."""
-        first = self.options.static_graph and self._expected_fires is None
-        return first or (self._counting_only and self.state in _IN_BACKWARD)
+    def learns_graph_next(self) -> bool:
+        """The next synchronized backward is a static graph's first (reduced only at its end)."""
+        return self.options.static_graph and self._learned_fires is None
+
+    @property
+    def local_gradients_since_reduction(self) -> bool:
+        """A no_sync backward left local gradients in ``param.grad`` since the last reduction."""
+        return self._local_probe is not None
 
     @property
     def final_layout_iteration(self) -> int:
@@ -225,26 +242,28 @@ class Reducer:
         """True once the ready-order rebuild has happened (or will never happen)."""
         return self._layouts.rebuilt
 
-    def in_flight(self) -> list[int]:
-        """Buckets with gradients already taken in this backward that finalize has not written back."""
+    def unfinished_buckets(self) -> list[int]:
+        """Buckets with gradients already taken in this backward that finalize has not written back
+        (a superset of the fence's ``in_flight()``: those launched and not completed)."""
         if self.state is ReducerState.IDLE:
             return []
-        return [b for b, members in enumerate(self.plan.buckets) if self._missing[b] < len(members)]
+        return [p.index for p in self.pipelines if p.missing < len(p.members)]
 
     @property
     def fence(self) -> Fence:
         """The fence that orders every bucket's collective before its readers."""
-        return self._fence
+        return self._shared.fence
 
     def replace_fence(self, fence: Fence) -> Fence:
         """Swap in another fence (race-forcing tools wrap the real one); only between iterations."""
-        if self.state is not ReducerState.IDLE or self._fence.in_flight():
+        current = self._shared.fence
+        if self.state is not ReducerState.IDLE or current.in_flight():
             raise RuntimeError(
                 f"The fence can only be replaced between iterations; the reducer is {self.state.value} "
-                f"with buckets {self._fence.in_flight()} in flight."
+                f"with buckets {current.in_flight()} in flight."
             )
-        previous, self._fence = self._fence, fence
-        return previous
+        self._shared.fence = fence
+        return current
 
     def bucket_order(self) -> list[int] | None:
         """The gradient-ready order the buckets were rebuilt from (None before, or without, a rebuild)."""
@@ -263,21 +282,21 @@ class Reducer:
 
     def enable_token_weighting(self) -> TokenCount:
         """Divide by the global token count instead of the world size (see token_weighting.py)."""
-        return self._reduction.enable_token_weighting(self._storages[0].buffer.device)
+        return self._shared.reduction.enable_token_weighting(self.pipelines[0].storage.buffer.device)
 
     def set_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Reduce every bucket with ``hook(state, bucket)`` instead of the scaled sum."""
-        self._reduction.set_comm_hook(state, hook)
+        self._shared.reduction.set_comm_hook(state, hook)
 
     @property
     def comm_hook(self) -> tuple[Any, CommHook] | None:
         """The registered ``(state, hook)``, or None for the default scaled sum."""
-        return self._reduction.comm_hook
+        return self._shared.reduction.comm_hook
 
     def set_join_count(self, work: dist.Work, divide_by_initial_world_size: bool) -> None:
         """Under ``Join``: ``work`` sums 1 per rank still training; average over those ranks unless
         ``divide_by_initial_world_size``."""
-        self._reduction.set_join_count(work, divide_by_initial_world_size)
+        self._shared.reduction.set_join_count(work, divide_by_initial_world_size)
 
     # -- the iteration ------------------------------------------------------------------------
 
@@ -285,14 +304,15 @@ class Reducer:
         """Check the last reduction finished; install the layout the lifecycle answers (DDP's one
         rebuild, the tuner's switches) between iterations."""
         self._ensure_prior_reduction_finished()
-        device = self._storages[0].buffer.device
+        device = self.pipelines[0].storage.buffer.device
         self._layouts.at_forward(self.process_group, device, self.plan, self._adopt_plan)
 
     def _adopt_plan(self, plan: BucketPlan) -> None:
         """Switch layouts between iterations; with gradient_as_bucket_view, the gradients move along."""
         self._install_plan(plan)
         if self.options.gradient_as_bucket_view:
-            for storage in self._storages:
+            for pipeline in self.pipelines:
+                storage = pipeline.storage
                 with torch.no_grad():
                     for param, view in zip(storage.params, storage.views, strict=False):  # a sparse bucket has no views
                         if param.grad is not None:
@@ -301,31 +321,41 @@ class Reducer:
 
     def check_not_in_backward(self) -> None:
         """A forward from inside backward (a hook) would interleave its collectives with the buckets'."""
-        if in_backward() and self.in_flight():
+        if in_backward() and self.unfinished_buckets():
             raise RuntimeError(
-                f"forward() was called during backward on rank {self.rank} while buckets {self.in_flight()} "
-                "are being reduced; run the next forward after loss.backward() has returned."
+                f"forward() was called during backward on rank {self.rank} while buckets "
+                f"{self.unfinished_buckets()} are being reduced; run the next forward after loss.backward() "
+                "has returned."
             )
 
     def prepare_for_backward(self, outputs: Sequence[torch.Tensor] = ()) -> None:
-        """A synchronized forward ran: the next backward's gradients are to be reduced.
-
-        With ``find_unused_parameters`` the forward's ``outputs`` tell which parameters it used.
-        """
+        """A synchronized forward ran: the next backward's gradients are to be reduced, in the graph
+        mode fixed here. With ``find_unused_parameters`` the forward's ``outputs`` tell which
+        parameters it used."""
         self._ensure_prior_reduction_finished()
         dropped = self.state is ReducerState.ARMED  # the previous forward's backward never came
-        if self.local_gradients_since_reduction and self.params[self._local_probe].grad is None:
+        probe = self._local_probe
+        if probe is not None and self.params[probe].grad is None:
             self.sync_flags.discarded(self.rank, "zero_grad() (or setting .grad to None) before this forward")
-        self._reset_iteration()
         self.synchronized_forwards += 1
         self.progress.forward(self.synchronized_forwards, self.reductions, dropped)
-        self._reduction.arm()
-        self._record_ready, self._timing = self._layouts.start_iteration()
-        if self._dynamic_unused:
-            self._unused, hidden = unreachable(outputs, self._accumulators)
+        self._shared.reduction.arm()
+        iteration = _Iteration.empty(len(self.params))
+        iteration.record_ready, iteration.timing = self._layouts.start_iteration()
+        self.mode = GraphMode.OVERLAP
+        if self.options.static_graph:
+            learned = self._learned_fires
+            self.mode = GraphMode.LEARNING_STATIC if learned is None else GraphMode.STATIC
+            iteration.unused = [] if learned is None else [i for i, fires in enumerate(learned) if fires == 0]
+        elif self.options.find_unused_parameters:
+            iteration.unused, hidden = unreachable(outputs, self._accumulators)
             # Only a checkpoint that hides parameters defers the reduction; one over an activation
             # leaves every parameter reachable, and the backward overlaps as in DDP.
-            self._counting_only = hidden and bool(self._unused)
+            if hidden and iteration.unused:
+                self.mode = GraphMode.COUNTING_ONLY
+        for pipeline in self.pipelines:
+            pipeline.reset()
+        self._iteration = iteration
         self.state = ReducerState.ARMED  # IDLE or ARMED -> ARMED: this forward's backward is reduced
 
     def mark_ready(self, index: int) -> bool:
@@ -333,35 +363,44 @@ class Reducer:
 
         The caller then queues :meth:`finalize` to run at the end of this backward.
         """
-        if self._usage is not None and (self._dynamic_unused or self._expected_fires is None):
+        if self._usage is not None and (self.options.searches_unused_each_forward or self.learns_graph_next):
             self._usage.mark_used(index)
         if self.state not in _IN_BACKWARD:
-            self.local_gradients_since_reduction = True
-            self._local_probe = index
-            if self.sync_flags.requested:
-                self.sync_flags.unarmed_backward(self.rank)
+            self._local_gradient(index)
             return False
         if not self.sync_flags.requested:
             self.sync_flags.synced_under_no_sync(self.rank)
-        if self._counting_only:
-            self._fires[index] += 1
-            self.state = ReducerState.LEARNING  # ARMED -> LEARNING: reduced at the end of backward
+        if self.mode is GraphMode.OVERLAP:
+            return self._ready(index)
+        self._iteration.fires[index] += 1
+        if self.mode is GraphMode.STATIC:
+            return self._fired_in_static_graph(index)
+        self.state = ReducerState.LEARNING  # ARMED -> LEARNING: counted now, reduced at the end of backward
+        return False
+
+    def _local_gradient(self, index: int) -> None:
+        """A gradient outside a synchronized backward (no_sync): it stays local in ``param.grad``."""
+        self._local_probe = index
+        if self.sync_flags.requested:
+            self.sync_flags.unarmed_backward(self.rank)
+
+    def _fired_in_static_graph(self, index: int) -> bool:
+        """A learned static graph: the gradient is final once it fired as often as in the first backward."""
+        expected = cast(list[int], self._learned_fires)[index]
+        if expected == 0:
+            raise RuntimeError(
+                f"Your training graph has changed in this iteration: parameter {self.names[index]} "
+                f"(index {index}) was unused in the first iteration but received a gradient now on rank "
+                f"{self.rank}. This is not compatible with static_graph=True."
+            )
+        if self._iteration.fires[index] < expected:
             return False
-        if self.options.static_graph:
-            self._fires[index] += 1
-            if self._expected_fires is None:
-                self.state = ReducerState.LEARNING  # ARMED -> LEARNING: the graph's first backward
-                return False  # iteration 1 only learns the graph
-            expected = self._expected_fires[index]
-            if expected == 0:
-                raise RuntimeError(
-                    f"Your training graph has changed in this iteration: parameter {self.names[index]} "
-                    f"(index {index}) was unused in the first iteration but received a gradient now on rank "
-                    f"{self.rank}. This is not compatible with static_graph=True."
-                )
-            if self._fires[index] < expected:
-                return False
-        if self._marked[index]:
+        return self._ready(index)
+
+    def _ready(self, index: int) -> bool:
+        """Count a final gradient in (the backward's unused parameters with the first one)."""
+        iteration = self._iteration
+        if iteration.marked[index]:
             raise RuntimeError(
                 f"Expected to mark a variable ready only once. Parameter {self.names[index]} (index {index}) "
                 f"received its gradient twice in one backward on rank {self.rank}. This happens when a "
@@ -369,129 +408,87 @@ class Reducer:
                 "use_reentrant=True: pass find_unused_parameters=True, or static_graph=True if the graph is the "
                 "same every step), or in several backwards of one forward (use no_sync() for all but the last)."
             )
-        if self._record_ready is not None:
-            self._record_ready(index)
-        if not self._unused_marked:
-            self._unused_marked = True
-            for unused in self._unused:
-                self._mark(unused)
-        self._mark(index)
-        return self._next_launch == len(self._storages)
+        if iteration.record_ready is not None:
+            iteration.record_ready(index)
+        if not iteration.unused_marked:
+            iteration.unused_marked = True
+            for unused in iteration.unused:
+                self._count(unused)
+        self._count(index)
+        return iteration.next_launch == len(self.pipelines)
 
-    def _mark(self, index: int) -> None:
-        """Count one gradient in; fill and launch every bucket that is complete, in index order."""
-        self._marked[index] = True
+    def _count(self, index: int) -> None:
+        """One gradient is in its bucket's count; launch every filled bucket, in index order."""
+        iteration = self._iteration
+        iteration.marked[index] = True
         self.state = ReducerState.REDUCING  # ARMED or LEARNING -> REDUCING: finalize is owed from here
-        if self._timing is not None:
-            self._timing.gradient_ready(index)
-        bucket = self._bucket_of[index]
-        self._fence.gradient_ready(bucket)
-        self._missing[bucket] -= 1
-        if self._missing[bucket] == 0:
-            self._fill(bucket)
-        while self._next_launch < len(self._storages) and self._missing[self._next_launch] == 0:
-            if not self._skipped(self._next_launch):
-                self._launch(self._next_launch)
-            self._next_launch += 1
-            if self._next_launch == len(self._storages) and self._dynamic_unused:
+        if iteration.timing is not None:
+            iteration.timing.gradient_ready(index)
+        if not self.pipelines[self._bucket_of[index]].gradient_ready():
+            return
+        while iteration.next_launch < len(self.pipelines) and self.pipelines[iteration.next_launch].filled:
+            pipeline = self.pipelines[iteration.next_launch]
+            if not self._skipped(pipeline):
+                self._launch(pipeline)
+            iteration.next_launch += 1
+            if iteration.next_launch == len(self.pipelines) and self.options.searches_unused_each_forward:
                 self._used.launch_reduction(self.process_group)
 
-    def _skipped(self, bucket: int) -> bool:
+    def _launch(self, pipeline: BucketPipeline) -> None:
+        try:
+            pipeline.launch(self._iteration.timing)
+        except FloatingPointError:  # the non-finite check: every rank stops before this bucket
+            self._abandon()
+            raise
+
+    def _skipped(self, pipeline: BucketPipeline) -> bool:
         """``skip_all_reduce_unused_params``: a bucket of only unused parameters is not reduced."""
         if not self.options.skip_all_reduce_unused_params:
             return False
-        unused = set(self._unused)
-        return all(i in unused for i in self.plan.buckets[bucket])
+        unused = set(self._iteration.unused)
+        return all(i in unused for i in pipeline.members)
 
     def launch_delayed(self) -> None:
         """``param_to_hook_all_reduce`` has its gradient: start the delayed all-reduce, once per
         synchronized backward (finalize completes it, or starts it if this never ran)."""
         delayed = cast(DelayedReduction, self.delayed)  # this hook is registered only with one
         if self.state in _IN_BACKWARD and not delayed.launched:
-            delayed.launch(self._fence)
+            delayed.launch(self.fence)
 
     def reduce_at_end_of_backward(self) -> None:
         """End of a backward that only counted its gradients: every parameter that received none is
         unused (in the static graph's first backward, for good); then reduce everything."""
-        if self.options.static_graph:
+        iteration = self._iteration
+        if self.mode is GraphMode.LEARNING_STATIC:
             self._used.launch_reduction(self.process_group)
-            self._expected_fires = list(self._fires)
-        self._unused = [i for i, fires in enumerate(self._fires) if fires == 0]
-        self._unused_marked = True
+            self._learned_fires = list(iteration.fires)
+        iteration.unused = [i for i, fires in enumerate(iteration.fires) if fires == 0]
+        iteration.unused_marked = True
         for index in range(len(self.params)):
-            self._mark(index)
+            self._count(index)
         self.finalize()
-
-    def _fill(self, index: int) -> None:
-        """Copy a complete bucket's gradients in, scaled as DDP scales them (batched, once per bucket)."""
-        storage = self._storages[index]
-        self._fence.filling(index)
-        self._reduction.copy_in(storage)
-        if self.options.gradient_as_bucket_view:
-            storage.point_grads_at_views()
-        elif self._write_watch.watchers:
-            self._write_watch.taken(index, self.plan.buckets[index], storage.params)
-        self._fence.produced(index, storage.buffer)  # on the stream that wrote the bucket
-
-    def _globally_used(self, index: int) -> bool:
-        """Whether any rank produced this gradient; a globally unused gradient is left untouched."""
-        return self._usage is None or self._usage.globally_used(index)
-
-    def _launch(self, index: int) -> None:
-        storage = self._storages[index]
-        if self.checks_nonfinite:
-            self._fence.order_after_produced(index)  # the check reads param.grad, maybe on another stream
-            members, device = self.plan.buckets[index], storage.buffer.device
-            error = nonfinite_error(index, members, storage.params, self.names, device, self.process_group)
-            if error is not None:
-                self._abandon()
-                raise error
-        bucket = self._hook_bucket(index, storage.buffer)
-        with torch.autograd.profiler.record_function(f"overlapddp.bucket_{index}.launch"):
-            self._fence.launch(index, lambda: self._start_measured(bucket))
-
-    def _start_measured(self, bucket: Bucket) -> torch.futures.Future:
-        """Start the reduction; while the tuned plan calibrates, also time it for the tuner."""
-        timing = self._timing
-        if timing is None or not timing.measuring:
-            return self._reduction.start(bucket)
-        started, launched = time.perf_counter(), timing.now()
-        future = self._reduction.start(bucket)
-        buffer = bucket.buffer()
-        nbytes = buffer.numel() * buffer.element_size()
-        timing.bucket_launched(nbytes, len(bucket.parameters()), started, launched, future)
-        return future
-
-    def _hook_bucket(self, index: int, buffer: torch.Tensor) -> Bucket:
-        """Bucket ``index`` over ``buffer`` as the comm-hook adapter a hook receives."""
-        storage = self._storages[index]
-        return Bucket(
-            index, buffer, storage.offsets, storage.lengths, storage.params,
-            is_last=index == len(self._storages) - 1,
-        )
 
     def shadow_backward(self) -> None:
         """A joined rank's backward: the same collectives as the others', on zeros, in the same order."""
-        futures = [
-            self._reduction.start(self._hook_bucket(index, torch.zeros_like(storage.buffer)))
-            for index, storage in enumerate(self._storages)
-        ]
-        for future in futures:
+        for future in [pipeline.shadow() for pipeline in self.pipelines]:
             future.wait()
-        if self._dynamic_unused:
+        if self.options.searches_unused_each_forward:
             self._used.shadow_reduction(self.process_group)
         self._layouts.iteration_shadowed()
 
     def finalize(self) -> None:
         """Complete every bucket in order and write the reduced values into ``param.grad``."""
         self.state = ReducerState.FINALIZING  # REDUCING -> FINALIZING: every bucket launched, backward over
-        self._fence.backward_ended()
+        fence, iteration = self.fence, self._iteration
+        fence.backward_ended()
         try:
-            for index in range(len(self._storages)):
-                if not self._skipped(index):
-                    self._write_back(index)
+            for pipeline in self.pipelines:
+                if self._skipped(pipeline):
+                    continue
+                write = [self._globally_used(i) for i in pipeline.members]
+                pipeline.write_back(write, iteration.timing, self.after_bucket_reduced)
             if self.delayed is not None:
-                self.delayed.finish(self._fence)
+                self.delayed.finish(fence)
             if self._usage is not None:
                 self._usage.settle()
             if self.after_all_reduced is not None:
@@ -499,54 +496,26 @@ class Reducer:
         except BaseException:
             self._abandon()
             raise
-        if self._dynamic_unused:
+        if self.options.searches_unused_each_forward:
             self._used.reset()
-        self._fence.end_iteration()
-        self._layouts.iteration_reduced(self._unused)
+        fence.end_iteration()
+        self._layouts.iteration_reduced(iteration.unused)
         self.reductions += 1
         self.progress.reduced(self.synchronized_forwards, self.reductions)
-        self.local_gradients_since_reduction = False
-        self._record_ready, self._timing = None, None
+        self._local_probe = None
+        self._iteration = _Iteration.empty(len(self.params))
         self.state = ReducerState.IDLE  # FINALIZING -> IDLE: every gradient written
 
-    def _write_back(self, index: int) -> None:
-        """Complete bucket ``index`` and copy its reduced values into ``param.grad``; then its callback."""
-        storage = self._storages[index]
-        timing = self._timing if self._timing is not None and self._timing.measuring else None
-        with torch.autograd.profiler.record_function(f"overlapddp.bucket_{index}.complete"):
-            value = self._complete(index)
-            reduced_at = timing.now() if timing is not None else None
-            self._write_watch.check(index)
-            write = [self._globally_used(i) for i in self.plan.buckets[index]]
-            result = hook_result(value, self._reduction.hook_name, index, storage.buffer)
-            storage.copy_out(result, write, as_view=self.options.gradient_as_bucket_view)
-            written = [p.grad for p in storage.params if p.grad is not None]
-            self._fence.consumed(index, "copy to param.grad", written)
-        if self.after_bucket_reduced is not None:
-            self.after_bucket_reduced(storage.params)
-        if timing is not None:
-            timing.bucket_finalized(cast("Stamp", reduced_at), timing.now())
-
-    def _complete(self, index: int) -> object:
-        """The bucket's reduced value, or an error that says which bucket and rank failed (and, from the
-        progress records, which ranks are behind)."""
-        try:
-            return self._fence.complete(index)
-        except Exception as error:
-            members = self.plan.buckets[index]
-            names = ", ".join(self.names[i] for i in members[:4]) + (", ..." if len(members) > 4 else "")
-            raise RuntimeError(
-                f"The reduction of bucket {index} ({len(members)} parameters: {names}) failed on rank "
-                f"{self.rank}: {error}. Another rank may have died or timed out.{self.progress.behind(index)} "
-                "This iteration's gradients were not reduced; the process group may no longer be usable."
-            ) from error
+    def _globally_used(self, index: int) -> bool:
+        """Whether any rank produced this gradient; a globally unused gradient is left untouched."""
+        return self._usage is None or self._usage.globally_used(index)
 
     # -- errors -------------------------------------------------------------------------------
 
     def _ensure_prior_reduction_finished(self) -> None:
         if self.state not in _UNFINISHED:
             return
-        missing = [i for i, marked in enumerate(self._marked) if not marked]
+        missing = [i for i, marked in enumerate(self._iteration.marked) if not marked]
         self._abandon()
         listed = ", ".join(f"{self.names[i]} (index {i})" for i in missing)
         raise RuntimeError(
@@ -562,16 +531,17 @@ class Reducer:
 
     def _abandon(self) -> None:
         """Drop an unfinished iteration; buckets that may still be written by a collective get new storage."""
-        dropped = self._fence.abandon()
-        for index in dropped:
+        for index in self.fence.abandon():
             if index >= 0:  # the delayed all-reduce (a negative key) renews its own buffer
-                self._storages[index].drop_aliased_grads()
-                self._storages[index] = self._new_storage(index, self.plan.buckets[index])
+                self.pipelines[index].storage.drop_aliased_grads()
+                self.pipelines[index] = self._new_pipeline(index, self.plan.buckets[index])
         if self.delayed is not None:
             self.delayed.abandon()
-        self._write_watch.clear()
+        self._shared.write_watch.clear()
         self._layouts.iteration_abandoned()
-        if self._dynamic_unused:
+        if self.options.searches_unused_each_forward:
             self._used.reset()
-        self._reset_iteration()
+        for pipeline in self.pipelines:
+            pipeline.reset()
+        self._iteration = _Iteration.empty(len(self.params))
         self.state = ReducerState.IDLE  # any -> IDLE: the iteration is dropped

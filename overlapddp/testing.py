@@ -210,13 +210,12 @@ def delay_communication(model: OverlapDDP, rank: int, seconds: float, stage: str
         DelayedFence(Fence(), seconds, stage)  # validates the arguments on every rank alike
         yield
         return
-    reducer = model._reducer
-    original = reducer.fence
-    reducer.replace_fence(DelayedFence(original, seconds, stage))
+    original = model.fence
+    model.replace_fence(DelayedFence(original, seconds, stage))
     try:
         yield
     finally:
-        reducer.replace_fence(original)
+        model.replace_fence(original)
 
 
 @contextmanager
@@ -225,19 +224,18 @@ def unfenced(model: OverlapDDP) -> Iterator[UnfencedFence]:
 
     A delay set by an enclosing :func:`delay_communication` is kept around the unfenced fence.
     """
-    reducer = model._reducer
-    original = reducer.fence
+    original = model.fence
     unsafe = UnfencedFence()
     unsafe.log = original.log
     if isinstance(original, DelayedFence):
-        reducer.replace_fence(DelayedFence(unsafe, original.seconds, original.stage))
+        model.replace_fence(DelayedFence(unsafe, original.seconds, original.stage))
     else:
-        reducer.replace_fence(unsafe)
+        model.replace_fence(unsafe)
     try:
         yield unsafe
     finally:
         unsafe.drain()
-        reducer.replace_fence(original)
+        model.replace_fence(original)
 
 
 class SynchronousReference(nn.Module):

@@ -32,8 +32,7 @@ from overlapddp.module_sync import broadcast_buffers, broadcast_coalesced
 from overlapddp.optimizer_guard import OptimizerGuard
 from overlapddp.optimizer_overlap import OverlappedOptimizer
 from overlapddp.param_usage import map_tensors, tensors_in
-from overlapddp.pickling import bind_to_default_group, pickled_state, take_recipe
-from overlapddp.progress import ProgressRecord
+from overlapddp.pickling import ReducerRecipe, bind_to_default_group, pickled_state, recipe_of
 from overlapddp.reducer import Reducer
 from overlapddp.sync_checks import SyncFlagCheck
 from overlapddp.torch_compat import let_dcp_unwrap, queue_callback, to_kwargs
@@ -85,23 +84,30 @@ class OverlapDDP(nn.Module, Joinable):
         args = Arguments(**{field.name: given[field.name] for field in dataclasses.fields(Arguments)})
         built = resolve(module, args)  # every argument checked; no collective yet
         self._keep(module, args, built)
-        self._delayed = synchronize(built, init_sync)
-        self._reducer = built.recipe.build(dict(built.trainable), self.process_group, self._delayed)
-        self._reducer.sync_flags = self._sync_flags
-        self._reducer.progress = ProgressRecord(self.process_group, len(self._reducer.params), self.device)
-        self._reducer.fence.before_wait = self._reducer.progress.wait_for
+        synchronize(built, init_sync)
+        if built.precision is not None:
+            built.precision.cast_buffers(self.modules_buffers)  # once, at construction (as DDP)
+        self._build(built.recipe, built.process_group)
+
+    def _build(self, recipe: ReducerRecipe, process_group: dist.ProcessGroup) -> None:
+        """The wrapper's live parts, the one way its constructor and its copies get them: the reducer
+        (with its fence, desync records and sync flag), the autograd hooks, the compiled graphs'
+        splitter and mixed precision's casts."""
+        self.process_group = process_group
+        self._recipe = recipe
+        self._reducer = recipe.build(dict(self.module.named_parameters()), process_group, self._sync_flags)
         self._hook_handles = _register_ready_hooks(self._reducer, self._reducer.params)
-        if self._delayed is not None:
-            hook_param = cast(torch.Tensor, param_to_hook_all_reduce)  # checked by resolve
-            self._hook_handles += _register_delayed_hooks(self._reducer, self._delayed, hook_param)
+        delayed = self._reducer.delayed
+        if delayed is not None:
+            hook_param = self.module.get_parameter(cast(str, recipe.hook_parameter))  # named with delayed ones
+            self._hook_handles += _register_delayed_hooks(self._reducer, delayed, hook_param)
         self._graph_splitter = GraphSplitter(self._reducer, self.bucket_bytes_cap)  # see compile_split.py
         self._mixed_precision: tuple[MixedPrecision, ParameterCasts] | None = None
-        if built.precision is not None:
-            self._set_up_mixed_precision(built.precision)
+        if self.mixed_precision is not None:
+            self._set_up_mixed_precision(MixedPrecision(self.mixed_precision))
 
     def _keep(self, module: nn.Module, args: Arguments, built: Construction) -> None:
         """The attributes DDP has (scripts and frameworks read them), from the resolved arguments."""
-        self.process_group = built.process_group
         self.module = module
         self.dim = args.dim
         self.find_unused_parameters = args.find_unused_parameters
@@ -123,9 +129,8 @@ class OverlapDDP(nn.Module, Joinable):
         self._sparse_names = built.sparse_names
 
     def _set_up_mixed_precision(self, precision: MixedPrecision) -> None:
-        """DDP's ``mixed_precision`` (see mixed_precision.py): buffers cast now, parameters per forward,
-        buckets reduced in the reduce dtype by a comm hook (so, as in DDP, no other hook can be registered)."""
-        precision.cast_buffers(self.modules_buffers)
+        """DDP's ``mixed_precision`` (see mixed_precision.py): parameters cast per forward, buckets
+        reduced in the reduce dtype by a comm hook (so, as in DDP, no other hook can be registered)."""
         named = self.module.named_parameters()
         casts = ParameterCasts([p for n, p in named if n not in self.parameters_to_ignore], precision.param_dtype,
                                _fence_of(weakref.ref(self._reducer)))
@@ -175,14 +180,50 @@ class OverlapDDP(nn.Module, Joinable):
         if torch.is_grad_enabled():
             self._sync_flags.forward_synced = self.require_backward_grad_sync
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
-            self.require_forward_param_sync = True
-            outputs = list(tensors_in(output)) if self.find_unused_parameters else []
-            self._reducer.prepare_for_backward(outputs)
+            self._expect_backward(list(tensors_in(output)))
             if self._reducer.needs_end_of_backward_trigger:
                 output = _end_of_backward_trigger(output, self._reducer)
         else:
             self.require_forward_param_sync = False
         return output
+
+    def _expect_backward(self, outputs: list[torch.Tensor]) -> None:
+        """The next backward, from ``outputs``, reduces its gradients (they tell the unused-parameter
+        search which parameters take part)."""
+        self.require_forward_param_sync = True
+        self._reducer.prepare_for_backward(outputs if self.find_unused_parameters else [])
+
+    def arm_backward(self, outputs: list[torch.Tensor], *, caller: str, rebuild: bool = False) -> None:
+        """For frameworks that decide just before the backward, not in ``forward``, that it reduces
+        (Lightning's manual optimization, Accelerate's ``trigger_sync_in_backward``: they call DDP's
+        ``reducer.prepare_for_backward``): make the next backward, from ``outputs``, reduce as a
+        synchronized forward would have. ``rebuild`` first applies a pending bucket rebuild, as a
+        forward would (Lightning rebuilds DDP's buckets there). ``caller`` names the framework in errors.
+        """
+        if rebuild:
+            self._reducer.prepare_for_forward()
+        if self._reducer.learns_graph_next:
+            raise RuntimeError(
+                f"{caller}: OverlapDDP with static_graph=True reduces its first iteration when backward "
+                "reaches the forward's outputs, so that iteration must come from a synchronized forward; "
+                "run the first step with the usual forward, or set static_graph=False."
+            )
+        self._expect_backward(outputs)
+        if self._reducer.needs_end_of_backward_trigger:
+            raise RuntimeError(
+                f"{caller}: with find_unused_parameters=True and a reentrant checkpoint (use_reentrant=True) in "
+                "the graph, OverlapDDP reduces when backward reaches the forward's outputs, so the backward must "
+                "come from a synchronized forward; use use_reentrant=False, or static_graph=True if the graph "
+                "does not change."
+            )
+
+    def _shadow_forward(self) -> None:
+        """A joined rank's part of the others' forward (join.py): a pending rebuild, as they apply it."""
+        self._reducer.prepare_for_forward()
+
+    def _shadow_backward(self) -> None:
+        """A joined rank's part of the others' backward (join.py): their collectives, on zeros."""
+        self._reducer.shadow_backward()
 
     def _broadcast_buffers(self, source: int) -> None:
         broadcast_buffers(self.modules_buffers, source, self.process_group)
@@ -329,6 +370,16 @@ class OverlapDDP(nn.Module, Joinable):
             raise ValueError("max_grad_norm is for overlap=True; without overlap call clip_grad_norm_ before step().")
         return OptimizerGuard(self._reducer, optimizer, strict=strict, allow_unsynced=allow_unsynced, scaler=scaler)
 
+    @property
+    def fence(self) -> Fence:
+        """The fence that orders every bucket's collective before its readers (``overlapddp.testing``)."""
+        return self._reducer.fence
+
+    def replace_fence(self, fence: Fence) -> Fence:
+        """Swap in another fence between iterations, returning the one in force (race-forcing tools
+        wrap the real one: ``overlapddp.testing``)."""
+        return self._reducer.replace_fence(fence)
+
     def record_fences(self) -> FenceLog:
         """Start recording every fence edge (a debug option); ``log.violations()`` checks their order."""
         log = FenceLog()
@@ -377,15 +428,10 @@ class OverlapDDP(nn.Module, Joinable):
         return pickled_state(self.__dict__)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """As DDP: bind to the default process group and build a new reducer, as at construction."""
-        recipe = take_recipe(state)
-        group = bind_to_default_group(recipe)
+        """As DDP: bind to the default process group and build new live parts, as at construction."""
+        group = bind_to_default_group(recipe_of(state))
         super().__setstate__(state)
-        self.process_group = group
-        self._reducer = recipe.build(dict(self.module.named_parameters()), group)
-        self._reducer.sync_flags = self._sync_flags
-        self._hook_handles = _register_ready_hooks(self._reducer, self._reducer.params)
-        self._graph_splitter = GraphSplitter(self._reducer, self.bucket_bytes_cap)
+        self._build(self._recipe, group)
 
     # -- uneven inputs ---------------------------------------------------------------------------
 
@@ -405,7 +451,7 @@ class OverlapDDP(nn.Module, Joinable):
 
     def join_hook(self, **kwargs: Any) -> OverlapJoinHook:
         """The hook ``Join`` runs on a rank that has run out of inputs."""
-        if self._delayed is not None:
+        if self._reducer.delayed is not None:
             raise ValueError(
                 "join() cannot be used with delay_all_reduce_named_params: a joined rank cannot know where, among "
                 "the buckets' collectives, the others start the delayed all-reduce (stock DDP does not shadow it)."

@@ -69,20 +69,20 @@ def test_matches_torch_assignment_initial_and_rebuilt(seed, limits):
 
 def test_default_caps_are_one_unlimited_bucket_then_1_and_25_mib():
     caps = BucketCaps.from_user(None, None)
-    assert caps.initial_limits(find_unused_parameters=False, static_graph=False) == [sys.maxsize]
+    assert caps.initial_limits(searches_unused_each_forward=False) == [sys.maxsize]
     assert caps.rebuild_limits() == [1 * MIB, 25 * MIB]
-    assert caps.initial_limits(find_unused_parameters=True, static_graph=False) == [1 * MIB, 25 * MIB]
+    assert caps.initial_limits(searches_unused_each_forward=True) == [1 * MIB, 25 * MIB]
 
 
 def test_explicit_cap_is_used_for_the_first_bucket_too():
     caps = BucketCaps.from_user(4, None)
     assert caps.rebuild_limits() == [4 * MIB, 4 * MIB]
-    assert caps.initial_limits(find_unused_parameters=True, static_graph=False) == [4 * MIB]
+    assert caps.initial_limits(searches_unused_each_forward=True) == [4 * MIB]
 
 
 def test_cap_list_drives_initial_and_rebuilt_layouts():
     caps = BucketCaps.from_user(None, [1, 2])
-    assert caps.initial_limits(False, False) == [MIB, 2 * MIB] == caps.rebuild_limits()
+    assert caps.initial_limits(False) == [MIB, 2 * MIB] == caps.rebuild_limits()
     assert caps.bytes_cap == 2 * MIB
 
 
@@ -96,13 +96,13 @@ def test_invalid_cap_names_the_argument(bad):
 
 def test_initial_plan_is_one_bucket_in_registration_order():
     params = floats(10, 20, 30)
-    plan = initial_plan(params, [False] * 3, BucketCaps.from_user(None, None), False, False)
+    plan = initial_plan(params, [False] * 3, BucketCaps.from_user(None, None), False)
     assert plan.buckets == ((0, 1, 2),)
 
 
 def test_initial_plan_with_unused_parameter_search_reverses_the_bucket_list():
     params = floats(300_000, 300_000, 300_000, 300_000)  # 1.2 MB each: the first cap closes bucket 0
-    plan = initial_plan(params, [False] * 4, BucketCaps.from_user(None, None), True, False)
+    plan = initial_plan(params, [False] * 4, BucketCaps.from_user(None, None), True)
     assert plan.buckets == ((1, 2, 3), (0,))
 
 

@@ -16,6 +16,7 @@ from torch.futures import Future
 from overlapddp import OverlapDDP
 from overlapddp import module_sync
 from overlapddp.bucket_plan import BucketCaps, explicit_plan
+from overlapddp import construction
 from overlapddp.fence import CudaFence, Fence, fence_for
 from overlapddp.param_usage import UsageMap
 from overlapddp.reducer import Reducer
@@ -146,10 +147,18 @@ def test_produced_is_recorded_where_the_bucket_was_filled_and_the_next_fill_wait
 # -- refusing a module on several GPUs --------------------------------------------------------------
 
 
-def test_a_module_on_two_gpus_is_refused_naming_the_devices():
-    with pytest.raises(ValueError, match=r"2 devices \(cuda:0: a; cuda:1: b\)"):
-        fence_for({"a": torch.device("cuda", 0), "b": torch.device("cuda", 1)})
-    assert type(fence_for({"a": CPU, "b": CPU})) is Fence
+class _OnDevice:
+    """A parameter stand-in on a device this machine may not have (only ``device`` and ``is_sparse`` are read)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.is_sparse = device, False
+
+
+def test_a_module_on_two_gpus_is_refused_naming_the_devices_before_any_collective():
+    named = [("a", _OnDevice(torch.device("cuda", 0))), ("b", _OnDevice(torch.device("cuda", 1)))]
+    with pytest.raises(ValueError, match=r"2 devices \(cuda:0: a; cuda:1: b\).*DistributedDataParallel accepts"):
+        construction._check_parameters(named, named)
+    assert type(fence_for(CPU)) is Fence
 
 
 # -- object collectives on the module's device -----------------------------------------------------

@@ -1,8 +1,8 @@
 """Imports flow one way: planning and storage at the bottom, the reducer above them, the wrapper on top.
 
 Parsed, not imported, so a violation fails here with the two modules named instead of surfacing as
-an import cycle somewhere else. Imports under ``if TYPE_CHECKING:`` are for annotations only and
-do not count.
+an import cycle somewhere else. Imports under ``if TYPE_CHECKING:`` (for annotations only) must go
+down too: a type-only cycle is still a cycle for a reader.
 """
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ FRAMEWORKS = {"lightning", "pytorch_lightning", "accelerate", "transformers", "r
 # Lowest first; a module may import only from strictly lower layers.
 # A module of a subpackage is named with its package: ``tuning.clock``; ``tuning`` is its ``__init__``.
 LAYERS = [
-    {"device_streams", "torch_compat", "tuning.clock", "backend_support"},
+    {"device_streams", "torch_compat", "tuning.clock", "backend_support", "options"},
     {"bucket_plan", "bucket_storage", "fence", "comm_hook", "param_usage", "token_weighting", "module_sync",
      "bucket_unscaler", "sparse_reduction", "sync_checks", "progress"},
     {"tuning.cost_model", "comm_hook_validation", "timeline", "delayed_reduction", "mixed_precision",
      "tuning.selection", "bucket_reduction", "gradient_checks"},
     {"tuning.tuner", "tuning"},
-    {"layout_lifecycle"},  # which layout is in force: initial, DDP's rebuild, tuning, final
+    # Which layout is in force (initial, DDP's rebuild, tuning, final); how one bucket is reduced.
+    {"layout_lifecycle", "bucket_pipeline"},
     {"reducer"},
     {"optimizer_guard", "optimizer_overlap", "join", "pickling"},
     # The adapter between Dynamo's graphs and the wrapper (it knows fx, not module hooks), and the
@@ -39,8 +40,9 @@ LAYERS = [
 BELOW_THE_WRAPPER = set().union(*LAYERS[: LAYERS.index({"compile_split", "construction"})])
 
 
-def _runtime_imports(path: Path) -> tuple[set[str], bool]:
-    """The package modules ``path`` imports at run time, and whether it imports ``torch.nn``."""
+def _runtime_imports(path: Path, type_only_too: bool = False) -> tuple[set[str], bool]:
+    """The package modules ``path`` imports at run time (and, ``type_only_too``, for annotations), and
+    whether it imports ``torch.nn``."""
     tree = ast.parse(path.read_text())
     type_only = {
         id(node)
@@ -50,7 +52,7 @@ def _runtime_imports(path: Path) -> tuple[set[str], bool]:
     }
     modules, uses_nn = set(), False
     for node in ast.walk(tree):
-        if id(node) in type_only:
+        if id(node) in type_only and not type_only_too:
             continue
         if isinstance(node, ast.ImportFrom) and node.module:
             if node.module == "overlapddp":
@@ -96,6 +98,45 @@ def test_imports_only_go_down_and_nothing_below_the_wrapper_knows_nn_module():
             nn_users.append(name)
     assert upward == [], "imports that do not go down a layer"
     assert nn_users == [], "modules below the wrapper importing torch.nn"
+
+
+def test_type_only_imports_go_down_too():
+    upward = []
+    for path in _core_modules():
+        name = _name(path)
+        upward += [f"{name} -> {m}" for m in sorted(_runtime_imports(path, type_only_too=True)[0])
+                   if _layer(m) >= _layer(name)]
+    assert upward == [], "type-only imports that do not go down a layer (a cycle for readers and mypy)"
+
+
+def test_the_type_only_check_sees_a_type_only_cycle(tmp_path):
+    fake = tmp_path / "join.py"
+    fake.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from overlapddp.wrapper import OverlapDDP\n")
+    assert _runtime_imports(fake)[0] == set()
+    assert _runtime_imports(fake, type_only_too=True)[0] == {"wrapper"}
+
+
+def _reaches_into_reducer(path: Path) -> list[int]:
+    """Lines where ``path`` reads another object's ``_reducer`` (its own ``self._reducer`` is allowed)."""
+    return [
+        node.lineno for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr == "_reducer"
+        and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+    ]
+
+
+def test_join_integrations_and_testing_use_the_wrappers_named_interface():
+    # The wrapper's named methods (arm_backward, fence, replace_fence, the join hook's protocol in
+    # join.py) are the interface; nothing outside the wrapper reaches into its reducer.
+    outside = [p for p in PACKAGE.rglob("*.py") if p.name != "wrapper.py"]
+    poking = {str(p.relative_to(PACKAGE)): lines for p in outside if (lines := _reaches_into_reducer(p))}
+    assert poking == {}
+
+
+def test_the_check_sees_a_poke_into_the_reducer(tmp_path):
+    fake = tmp_path / "testing.py"
+    fake.write_text("def f(model):\n    return model._reducer.fence\n")
+    assert _reaches_into_reducer(fake) == [2]
 
 
 def test_the_check_sees_an_upward_import(tmp_path):

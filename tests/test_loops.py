@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from overlapddp import OverlapDDP
-from overlapddp.integrations.backward_sync import arm_backward_sync
+from overlapddp.reducer import GraphMode
 from tests import loops
 from tests.multiprocess import run_ranks
 
@@ -35,7 +35,7 @@ def test_a_framework_armed_backward_through_a_reentrant_checkpoint_is_refused(on
     model.require_backward_grad_sync = False
     out = model(torch.ones(2, 8), False)
     with pytest.raises(RuntimeError, match="Lightning: with find_unused_parameters=True and a reentrant checkpoint"):
-        arm_backward_sync(model, [out], "Lightning")
+        model.arm_backward([out], caller="Lightning")
 
 
 
@@ -51,6 +51,6 @@ def test_a_reentrant_checkpoint_over_no_parameter_keeps_the_overlapped_path(one_
     model = OverlapDDP(torch.nn.Sequential(torch.nn.Linear(4, 4), _CheckpointedActivation()),
                        find_unused_parameters=True)
     out = model(torch.randn(2, 4))
-    assert not model._reducer._counting_only
+    assert model._reducer.mode is GraphMode.OVERLAP
     out.sum().backward()
     assert model.module[0].weight.grad is not None

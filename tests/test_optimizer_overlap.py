@@ -37,7 +37,8 @@ def _compare(
                    for _ in range(2)]
         ours.attach_optimizer(our_opt, overlap=True, max_grad_norm=max_norm, scaler=scalers[1])
         if skip_last_bucket:  # fault: the last bucket's update is lost
-            ours._reducer.after_bucket_reduced = _skipping_last(ours, ours._reducer.after_bucket_reduced)
+            reducer = ours._reducer
+            reducer.set_reduction_callbacks(_skipping_last(ours, reducer.after_bucket_reduced), reducer.after_all_reduced)
         if ignore_inf:  # fault: the updates run although a gradient was not finite
             unscaler = ours._reducer.after_all_reduced.__self__._unscaler
             hand_over = unscaler.hand_over
@@ -67,7 +68,7 @@ def _compare(
 
 def _skipping_last(model: OverlapDDP, update):
     def update_all_but_last(params):
-        if params is not model._reducer._storages[-1].params:
+        if params is not model._reducer.pipelines[-1].params:
             update(params)
 
     return update_all_but_last

@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
-from torch.nn.parallel.distributed import _MixedPrecision
 
 from overlapddp import OverlapDDP
 from tests import models
@@ -201,19 +200,6 @@ def test_a_loaded_copy_binds_to_the_default_group_and_reduces_with_its_own_hooks
         # The copy's hooks reduce the copy's gradients; the original saw no backward.
         assert twin._reducer.reductions == 1 and model._reducer.reductions == 0
         assert all(p.grad is None for p in model.parameters())
-
-
-@pytest.mark.parametrize("argument", ["mixed_precision", "delay_all_reduce_named_params"])
-def test_a_wrapper_with_collectives_of_its_own_refuses_to_be_copied_naming_the_argument(argument):
-    with _one_rank_group():
-        net = models.build("mlp")
-        if argument == "mixed_precision":
-            model = OverlapDDP(net, mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16))
-        else:
-            model = OverlapDDP(net, delay_all_reduce_named_params=[("0.weight", net[0].weight)],
-                               param_to_hook_all_reduce=net[0].weight)
-        with pytest.raises(RuntimeError, match=f"{argument} cannot be copied or pickled yet"):
-            copy.deepcopy(model)
 
 
 def test_a_copy_of_a_wrapper_has_its_own_graph_splitter():

@@ -216,7 +216,7 @@ def test_gradient_as_bucket_view_makes_gradients_views_of_the_buckets(one_rank):
     model = OverlapDDP(models.build("mlp"), gradient_as_bucket_view=True)
     inputs, target = models.batch("mlp", 0, 0)
     models.loss_of(model(inputs), target).backward()
-    buckets = {s.buffer.untyped_storage().data_ptr() for s in model._reducer._storages}
+    buckets = {p.storage.buffer.untyped_storage().data_ptr() for p in model._reducer.pipelines}
     assert all(p.grad.untyped_storage().data_ptr() in buckets for p in model.parameters())
 
 

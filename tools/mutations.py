@@ -152,7 +152,7 @@ MUTATIONS = (
         "guard_in_flight_check_removed",
         "step() may read gradients while their buckets are still being reduced",
         "overlapddp/optimizer_guard.py",
-        '        """Raise unless ``action`` may read the gradients now."""\n        busy = self._reducer.in_flight()',
+        '        """Raise unless ``action`` may read the gradients now."""\n        busy = self._reducer.unfinished_buckets()',
         '        """Raise unless ``action`` may read the gradients now."""\n        busy = []',
         (f"{GUARD}[step_during_backward-are still being reduced]",),
     ),
@@ -276,9 +276,9 @@ MUTATIONS = (
         "guard_in_place_zero_grad_unchecked",
         "zero_grad(set_to_none=False) during backward zeroes the buckets being reduced (gradient_as_bucket_view)",
         "overlapddp/optimizer_guard.py",
-        "    def _zero_grad(self, *args: Any, **kwargs: Any) -> Any:\n        busy = self._reducer.in_flight()\n",
+        "    def _zero_grad(self, *args: Any, **kwargs: Any) -> Any:\n        busy = self._reducer.unfinished_buckets()\n",
         "    def _zero_grad(self, *args: Any, **kwargs: Any) -> Any:\n"
-        '        busy = self._reducer.in_flight() if kwargs.get("set_to_none", True) else []\n',
+        '        busy = self._reducer.unfinished_buckets() if kwargs.get("set_to_none", True) else []\n',
         (f"{GUARD}[zero_grad_in_place_during_backward-optimizer.zero_grad() was called while buckets]",),
     ),
     Mutation(

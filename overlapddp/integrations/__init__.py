@@ -9,6 +9,6 @@ installed), and nothing else in ``overlapddp`` imports them.
 - ``overlapddp.integrations.accelerate``: ``use_overlapddp(accelerator)``.
 - ``overlapddp.integrations.transformers``: ``OverlapDDPTrainer``, a ``transformers.Trainer``.
 
-``trainer_strategy`` (the Trainer strategy's steps, shared by both Lightning packages),
-``fabric`` and ``backward_sync`` are their building blocks.
+``trainer_strategy`` (the Trainer strategy's steps, shared by both Lightning packages)
+and ``fabric`` are their building blocks.
 """

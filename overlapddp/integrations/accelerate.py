@@ -25,7 +25,6 @@ from accelerate.utils import DistributedType, DynamoBackend
 import torch
 from torch import nn
 
-from overlapddp.integrations.backward_sync import arm_backward_sync
 from overlapddp.wrapper import OverlapDDP
 
 
@@ -121,7 +120,7 @@ def _trigger_sync_in_backward(trigger: Callable[[nn.Module], Any]) -> Callable[[
             )
         previous = model.require_backward_grad_sync, model.require_forward_param_sync
         model.require_backward_grad_sync = True
-        arm_backward_sync(model, [], caller="Accelerator.trigger_sync_in_backward")
+        model.arm_backward([], caller="Accelerator.trigger_sync_in_backward")
         try:
             yield
         finally:

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
-from overlapddp.integrations.backward_sync import arm_backward_sync
 from overlapddp.wrapper import OverlapDDP
 
 if TYPE_CHECKING:  # for the type checker only: at run time each package's module supplies the base
@@ -78,7 +77,7 @@ class OverlapDDPStrategySteps(_StrategyBase):
         if not isinstance(model, OverlapDDP) or module is None or module.automatic_optimization:
             return
         if torch.is_grad_enabled() and model.require_backward_grad_sync:
-            arm_backward_sync(model, [closure_loss], caller=f"{type(self).__name__}.pre_backward", rebuild=True)
+            model.arm_backward([closure_loss], caller=f"{type(self).__name__}.pre_backward", rebuild=True)
         else:
             model.require_forward_param_sync = False
 
