@@ -4,6 +4,7 @@ is, and what they waited for (from the progress records in the process group's s
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 
@@ -16,6 +17,8 @@ def _train(rank: int, world_size: int, behaviour: str) -> str:
     """Four iterations of the MLP (no buffers, so nothing but the buckets is exchanged); on rank 0
     (skip) or rank 1 (stuck, die) the second iteration goes wrong."""
     model = OverlapDDP(models.build("mlp"))
+    if behaviour.endswith("after_copy"):  # a copy is built the constructor's way: it keeps the records
+        model, behaviour = copy.deepcopy(model), behaviour.removesuffix("_after_copy")
     for iteration in range(4):
         inputs, target = models.batch("mlp", rank, iteration)
         loss = models.loss_of(model(inputs), target)
@@ -41,6 +44,11 @@ def test_a_rank_that_skipped_a_backward_is_named_by_every_waiting_rank():
         assert "1 more forward(s) without a backward than this rank, the last at iteration 2" in said[rank]
         assert f"rank {rank} waited for bucket 0 of backward 4 (iteration 4)" in said[rank]
         assert f"rank {3 - rank}:" not in said[rank]  # the other waiting rank is not behind
+
+
+def test_a_copy_still_names_the_rank_behind():
+    said = run_ranks(2, _train, "skip_after_copy", pg_timeout_s=20)
+    assert "Ranks behind: rank 0: at iteration 4" in said[1], said[1]
 
 
 def test_a_stuck_rank_is_named_within_the_timeout():
