@@ -22,7 +22,7 @@ import torch
 
 from overlapddp.bucket_reduction import BucketReduction
 from overlapddp.bucket_storage import BucketStorage
-from overlapddp.comm_hook import Bucket, hook_result
+from overlapddp.comm_hook import Bucket
 from overlapddp.fence import Fence
 from overlapddp.gradient_checks import GradientWriteWatch, nonfinite_error
 from overlapddp.progress import ProgressRecord
@@ -164,3 +164,25 @@ class BucketPipeline:
     def shadow(self) -> torch.futures.Future:
         """A joined rank's part: the same collective as the others', on zeros."""
         return self._shared.reduction.start(self.hook_bucket(torch.zeros_like(self.storage.buffer)))
+
+
+def hook_result(value: object, hook_name: str, bucket_index: int, expected: torch.Tensor) -> torch.Tensor:
+    """The one tensor a hook's future must resolve to, checked against the bucket's size.
+
+    DDP accepts a tensor or a one-element list; anything else, or a tensor of another size, is an
+    error that names the hook and the bucket instead of a failed stride check later.
+    """
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"Communication hook {hook_name} returned a future whose value is {type(value).__name__} "
+            f"for bucket {bucket_index}; expected one tensor of {expected.numel()} elements."
+        )
+    if value.numel() != expected.numel() or not value.is_floating_point() and not value.is_complex():
+        raise ValueError(
+            f"Communication hook {hook_name} returned a {tuple(value.shape)} {value.dtype} tensor for "
+            f"bucket {bucket_index}; expected {expected.numel()} elements of a floating dtype "
+            f"(the bucket holds {expected.dtype})."
+        )
+    return value

@@ -13,11 +13,18 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from torch.futures import Future
 
 from overlapddp.bucket_storage import BucketStorage
-from overlapddp.comm_hook import Bucket, CommHook, allreduce_sum, is_unchained, run_hook
+from overlapddp.comm_hook import Bucket, CommHook, is_unchained, run_hook
 from overlapddp.sparse_reduction import SparseBucketStorage
 from overlapddp.token_weighting import TokenCount
+
+
+def allreduce_sum(process_group: dist.ProcessGroup, bucket: Bucket) -> Future[list[torch.Tensor]]:
+    """The default reduction: an in-place SUM all-reduce of the (already scaled) buffer."""
+    work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)
+    return work.get_future()
 
 
 class BucketReduction:

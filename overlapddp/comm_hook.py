@@ -1,4 +1,4 @@
-"""How a bucket is reduced: a GradBucket-compatible object and the default sum all-reduce.
+"""What does a comm hook receive, and when may it run? A GradBucket-compatible object, and hook chaining.
 
 ``dist.GradBucket`` cannot be built from Python, so :class:`Bucket` offers the same methods and the
 stock hooks in ``torch.distributed.algorithms.ddp_comm_hooks`` run on it unmodified.
@@ -10,7 +10,6 @@ import threading
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks
 from torch.futures import Future
 
@@ -67,12 +66,6 @@ class Bucket:
         self._buffer = tensor
 
 
-def allreduce_sum(process_group: dist.ProcessGroup, bucket: Bucket) -> Future[list[torch.Tensor]]:
-    """The default reduction: an in-place SUM all-reduce of the (already scaled) buffer."""
-    work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)
-    return work.get_future()
-
-
 # Stock hooks that issue at most one collective, from the call itself and none from callbacks:
 # their buckets need no chaining (see [Note: one hook chain at a time]) and keep full overlap.
 UNCHAINED_HOOKS = frozenset(
@@ -120,25 +113,3 @@ def run_hook(hook: CommHook, state: Any, bucket: Bucket, after: Future[Any] | No
         )
         return failed
     return future
-
-
-def hook_result(value: object, hook_name: str, bucket_index: int, expected: torch.Tensor) -> torch.Tensor:
-    """The one tensor a hook's future must resolve to, checked against the bucket's size.
-
-    DDP accepts a tensor or a one-element list; anything else, or a tensor of another size, is an
-    error that names the hook and the bucket instead of a failed stride check later.
-    """
-    if isinstance(value, (list, tuple)) and len(value) == 1:
-        value = value[0]
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(
-            f"Communication hook {hook_name} returned a future whose value is {type(value).__name__} "
-            f"for bucket {bucket_index}; expected one tensor of {expected.numel()} elements."
-        )
-    if value.numel() != expected.numel() or not value.is_floating_point() and not value.is_complex():
-        raise ValueError(
-            f"Communication hook {hook_name} returned a {tuple(value.shape)} {value.dtype} tensor for "
-            f"bucket {bucket_index}; expected {expected.numel()} elements of a floating dtype "
-            f"(the bucket holds {expected.dtype})."
-        )
-    return value

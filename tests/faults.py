@@ -9,7 +9,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-from overlapddp import bucket_reduction, bucket_storage, comm_hook, layout_lifecycle, reducer, wrapper
+from overlapddp import bucket_pipeline, bucket_reduction, bucket_storage, comm_hook, layout_lifecycle, reducer, wrapper
 
 
 def _skip_scaling() -> tuple[object, str, object]:
@@ -81,13 +81,13 @@ def _ignore_set_buffer() -> tuple[object, str, object]:
 
 def _ignore_hook_result() -> tuple[object, str, object]:
     """Copy the bucket's own buffer into ``.grad`` instead of the tensor the hook's future holds."""
-    original = reducer.hook_result
+    original = bucket_pipeline.hook_result
 
     def hook_result(value, hook_name, bucket_index, expected):
         original(value, hook_name, bucket_index, expected)
         return expected
 
-    return reducer, "hook_result", hook_result
+    return bucket_pipeline, "hook_result", hook_result
 
 
 def _hook_not_registered() -> tuple[object, str, object]:

@@ -105,31 +105,21 @@ MUTATIONS = (
     Mutation(
         "launch_before_last_copy_in",
         "a bucket is launched when one gradient is still missing, before the bucket is copied in",
-        "overlapddp/reducer.py",
-        "while self._next_launch < len(self._storages) and self._missing[self._next_launch] == 0:",
-        "while self._next_launch < len(self._storages) and self._missing[self._next_launch] <= 1:",
+        "overlapddp/bucket_pipeline.py",
+        "        self.missing -= 1\n        if self.missing:\n            return False\n",
+        "        self.missing -= 1\n        if self.missing > 1:\n            return False\n",
         (HANDED_OVER,),
     ),
     Mutation(
         "launch_before_copy_in",
         "a complete bucket's collective starts before its gradients are copied into its buffer",
-        "overlapddp/reducer.py",
-        "        if self._missing[bucket] == 0:\n"
-        "            self._fill(bucket)\n"
-        "        while self._next_launch < len(self._storages) and self._missing[self._next_launch] == 0:\n"
-        "            if not self._skipped(self._next_launch):\n"
-        "                self._launch(self._next_launch)\n"
-        "            self._next_launch += 1\n"
-        "            if self._next_launch == len(self._storages) and self._dynamic_unused:\n"
-        "                self._used.launch_reduction(self.process_group)\n",
-        "        while self._next_launch < len(self._storages) and self._missing[self._next_launch] == 0:\n"
-        "            if not self._skipped(self._next_launch):\n"
-        "                self._launch(self._next_launch)\n"
-        "            self._next_launch += 1\n"
-        "            if self._next_launch == len(self._storages) and self._dynamic_unused:\n"
-        "                self._used.launch_reduction(self.process_group)\n"
-        "        if self._missing[bucket] == 0:\n"
-        "            self._fill(bucket)\n",
+        "overlapddp/bucket_pipeline.py",
+        "        shared.fence.filling(self.index)\n"
+        "        shared.reduction.copy_in(self.storage)\n",
+        "        shared.fence.filling(self.index)\n"
+        "        shared.fence.produced(self.index, self.storage.buffer)\n"
+        "        self.launch(None)\n"
+        "        shared.reduction.copy_in(self.storage)\n",
         (HANDED_OVER,),
     ),
     Mutation(
@@ -169,8 +159,8 @@ MUTATIONS = (
     Mutation(
         "write_during_reduction_unchecked",
         "a gradient changed while its bucket was reduced (clip inside backward) is silently overwritten",
-        "overlapddp/reducer.py",
-        "            self._write_watch.check(index)\n",
+        "overlapddp/bucket_pipeline.py",
+        "            shared.write_watch.check(self.index)\n",
         "",
         (f"{GUARD}[clip_during_backward-were changed on rank]",),
     ),
@@ -194,15 +184,15 @@ MUTATIONS = (
         "init_sync_skipped",
         "the constructor does not broadcast rank 0's parameters and buffers",
         "overlapddp/construction.py",
-        "        broadcast_coalesced(states, 0, group)\n    return delayed",
-        "        pass\n    return delayed",
+        "            states += construction.buffers\n        broadcast_coalesced(states, 0, group)\n",
+        "            states += construction.buffers\n",
         ("tests/test_wrapper.py::test_init_sync_broadcasts_rank0_parameters_and_buffers",),
     ),
     Mutation(
         "unused_params_not_marked",
         "find_unused_parameters: the parameters a forward did not use are never marked ready",
         "overlapddp/reducer.py",
-        "            for unused in self._unused:\n                self._mark(unused)",
+        "            for unused in iteration.unused:\n                self._count(unused)",
         "            pass",
         (JOIN_WS2,),
     ),
@@ -210,8 +200,8 @@ MUTATIONS = (
         "unused_grads_written",
         "find_unused_parameters: gradients no rank produced are written (zeros) instead of left None",
         "overlapddp/reducer.py",
-        "write = [self._globally_used(i) for i in self.plan.buckets[index]]",
-        "write = [True for i in self.plan.buckets[index]]",
+        "write = [self._globally_used(i) for i in pipeline.members]",
+        "write = [True for i in pipeline.members]",
         ("tests/test_parity.py::test_parameters_and_buffers_equal_ddp_after_every_step"
          "[branchy-sgd-default-find_unused_parameters=True-2]",),
     ),
@@ -234,17 +224,17 @@ MUTATIONS = (
     Mutation(
         "overlapped_update_before_copy_out",
         "overlap=True updates a bucket's parameters before its reduced gradients are written",
-        "overlapddp/reducer.py",
-        "            storage.copy_out(result, write, as_view=self.options.gradient_as_bucket_view)\n"
-        "            written = [p.grad for p in storage.params if p.grad is not None]\n"
-        '            self._fence.consumed(index, "copy to param.grad", written)\n'
-        "        if self.after_bucket_reduced is not None:\n"
-        "            self.after_bucket_reduced(storage.params)\n",
-        "            if self.after_bucket_reduced is not None:\n"
-        "                self.after_bucket_reduced(storage.params)\n"
-        "            storage.copy_out(result, write, as_view=self.options.gradient_as_bucket_view)\n"
-        "            written = [p.grad for p in storage.params if p.grad is not None]\n"
-        '            self._fence.consumed(index, "copy to param.grad", written)\n',
+        "overlapddp/bucket_pipeline.py",
+        "            self.storage.copy_out(result, write, as_view=shared.gradient_as_bucket_view)\n"
+        "            written = [p.grad for p in self.storage.params if p.grad is not None]\n"
+        '            shared.fence.consumed(self.index, "copy to param.grad", written)\n'
+        "        if after is not None:\n"
+        "            after(self.storage.params)\n",
+        "            if after is not None:\n"
+        "                after(self.storage.params)\n"
+        "            self.storage.copy_out(result, write, as_view=shared.gradient_as_bucket_view)\n"
+        "            written = [p.grad for p in self.storage.params if p.grad is not None]\n"
+        '            shared.fence.consumed(self.index, "copy to param.grad", written)\n',
         (f"{OVERLAP}::test_overlapped_updates_are_bit_equal_to_ddp_then_step[2]",),
     ),
     Mutation(
@@ -267,8 +257,8 @@ MUTATIONS = (
         "copy_resumes_grad_sync",
         "a copy or pickle of a wrapper with require_backward_grad_sync=False comes back reducing",
         "overlapddp/pickling.py",
-        "    hooks = [] if reducer.comm_hook is None else [reducer.comm_hook[1]]\n",
-        "    hooks = [] if reducer.comm_hook is None else [reducer.comm_hook[1]]\n"
+        "    recipe: ReducerRecipe = attributes[\"_recipe\"]\n",
+        "    recipe: ReducerRecipe = attributes[\"_recipe\"]\n"
         '    state["_sync_flags"] = type(state["_sync_flags"])()\n',
         ("tests/test_pickling.py::test_a_copy_keeps_require_backward_grad_sync_as_ddp_copies_it[deepcopy]",),
     ),
@@ -293,8 +283,8 @@ MUTATIONS = (
         "joined_rank_ignores_no_sync",
         "a joined rank shadows every backward, also the others' no_sync ones: the collectives mismatch",
         "overlapddp/join.py",
-        "        if should_sync:\n            reducer.shadow_backward()\n",
-        "        reducer.shadow_backward()\n",
+        "        if should_sync:\n            model._shadow_backward()\n",
+        "        model._shadow_backward()\n",
         (JOIN_WS2,),
     ),
     Mutation(
