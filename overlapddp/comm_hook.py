@@ -68,7 +68,7 @@ class Bucket:
 
 # Stock hooks that issue at most one collective, from the call itself and none from callbacks:
 # their buckets need no chaining (see [Note: one hook chain at a time]) and keep full overlap.
-UNCHAINED_HOOKS = frozenset(
+UNCHAINED_HOOKS: frozenset[Any] = frozenset(
     {
         default_hooks.allreduce_hook,
         default_hooks.fp16_compress_hook,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 import torch
 from torch import fx
@@ -127,7 +127,7 @@ class GraphSplitter:
 
     def _optimizer_for(self, bucket_bytes_cap: int, backend_compile_fn: Callable, **kwargs: Any) -> Any:
         """Stands in for ``DDPOptimizer`` while our forward runs; stock DDP nested in it keeps its own."""
-        if _DDP._active_ddp_module is not self:
+        if cast(object, _DDP._active_ddp_module) is not self:
             return _ORIGINAL_OPTIMIZER(
                 bucket_bytes_cap=bucket_bytes_cap, backend_compile_fn=backend_compile_fn, **kwargs
             )

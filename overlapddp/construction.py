@@ -336,7 +336,7 @@ def _resolve_devices(
         return None, None
     ids = [torch.device(d).index if not isinstance(d, int) else d for d in device_ids]
     out = ids[0] if output_device is None else output_device
-    return ids, (torch.device(out).index if not isinstance(out, int) else out)  # type: ignore[return-value]
+    return ids, (torch.device(out).index if not isinstance(out, int) else out)
 
 
 def _resolve_buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> tuple[bool, bool]:

@@ -57,7 +57,7 @@ class DelayedFence(Fence):
         self.stage = stage
         self._on_cuda: dict[int, bool] = {}
 
-    @property  # type: ignore[override]
+    @property
     def log(self) -> FenceLog | None:
         return self.inner.log
 

@@ -33,7 +33,7 @@ class _OverlapDDPForwardRedirection(ManualOptimizationRedirection, _ForwardRedir
     pass
 
 
-class OverlapDDPStrategy(OverlapDDPStrategySteps, DDPStrategy):  # type: ignore[misc]
+class OverlapDDPStrategy(OverlapDDPStrategySteps, DDPStrategy):
     """``lightning.pytorch``'s ``DDPStrategy`` whose model is an :class:`~overlapddp.OverlapDDP`;
     ``DDPStrategy``'s arguments pass through (:class:`OverlapDDPStrategySteps` says how)."""
 
