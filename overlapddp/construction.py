@@ -22,7 +22,7 @@ from overlapddp.backend_support import refuse_unsupported
 from overlapddp.bucket_plan import BucketCaps
 from overlapddp.delayed_reduction import check_delayed_parameters
 from overlapddp.mixed_precision import MixedPrecision
-from overlapddp.module_sync import broadcast_coalesced, verify_same_parameters
+from overlapddp.module_sync import broadcast_coalesced, broadcast_state, verify_same_parameters
 from overlapddp.options import ReducerOptions
 from overlapddp.pickling import ReducerRecipe
 
@@ -166,7 +166,7 @@ def resolve(module: nn.Module, args: Arguments) -> Construction:
     buffers = [b for n, b in module.named_buffers() if n not in ignored]
     return Construction(
         group, ignored, trainable, delayed, buffers, device_ids, output_device, forward_sync, init_sync_buffers,
-        sparse_names, precision, recipe, synchronized=[p.detach() for _, p in named],
+        sparse_names, precision, recipe, synchronized=[p for _, p in named],
     )
 
 
@@ -207,10 +207,8 @@ def synchronize(construction: Construction, init_sync: bool) -> None:
         broadcast_coalesced([p.detach() for _, p in construction.delayed], 0, group)
     if init_sync:
         verify_same_parameters([n for n, _ in construction.trainable], [p for _, p in construction.trainable], group)
-        states = list(construction.synchronized)
-        if construction.init_sync_buffers:
-            states += construction.buffers
-        broadcast_coalesced(states, 0, group)
+        buffers = construction.buffers if construction.init_sync_buffers else []
+        broadcast_state(construction.synchronized, buffers, 0, group)
 
 
 def _resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any | None) -> dist.ProcessGroup:

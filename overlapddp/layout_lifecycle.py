@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from overlapddp.bucket_plan import BucketCaps, BucketPlan, explicit_plan, initial_plan, rebuilt_plan
+from overlapddp.module_sync import broadcast_from
 from overlapddp.options import ReducerOptions
 from overlapddp.tuning.tuner import TUNING_ITERATIONS, PlanTuner
 
@@ -113,7 +114,7 @@ class LayoutLifecycle:
             if not self._ready_order:
                 return
             order = torch.tensor(self._ready_order, dtype=torch.int64, device=device)
-            dist.broadcast(order, src=dist.get_global_rank(process_group, 0), group=process_group)
+            broadcast_from(order, 0, process_group)
             self._ready_order = []
             self._rebuilt_from = order.tolist()
             self.phase = self._after_rebuild()

@@ -53,11 +53,15 @@ def _describe(entry: tuple) -> str:
     return f"{name} with shape {list(shape)}, strides {list(stride)}, dtype {dtype}"
 
 
+def broadcast_from(tensor: torch.Tensor, source: int, process_group: dist.ProcessGroup) -> None:
+    """Overwrite ``tensor`` with rank ``source``'s (a rank of ``process_group``, not a global rank)."""
+    dist.broadcast(tensor, src=dist.get_global_rank(process_group, source), group=process_group)
+
+
 def broadcast_coalesced(
     tensors: Sequence[torch.Tensor], src: int, process_group: dist.ProcessGroup
 ) -> None:
     """Overwrite ``tensors`` with rank ``src``'s values, one broadcast per dtype/device chunk."""
-    global_src = dist.get_global_rank(process_group, src)
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for tensor in tensors:
         groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
@@ -65,9 +69,16 @@ def broadcast_coalesced(
         for members in groups.values():
             for chunk in _chunks(members):
                 flat = torch.cat([t.reshape(-1) for t in chunk])
-                dist.broadcast(flat, src=global_src, group=process_group)
+                broadcast_from(flat, src, process_group)
                 pieces = flat.split([t.numel() for t in chunk])
                 foreach_copy_(chunk, [piece.view_as(t) for piece, t in zip(pieces, chunk, strict=True)])
+
+
+def broadcast_state(
+    parameters: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor], src: int, process_group: dist.ProcessGroup
+) -> None:
+    """Rank ``src``'s parameters and buffers on every rank: DDP's init sync, and Join's final agreement."""
+    broadcast_coalesced([p.detach() for p in parameters] + list(buffers), src, process_group)
 
 
 def broadcast_buffers(buffers: Sequence[torch.Tensor], src: int, process_group: dist.ProcessGroup) -> None:

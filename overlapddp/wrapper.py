@@ -28,7 +28,7 @@ from overlapddp.delayed_reduction import DelayedReduction
 from overlapddp.fence import Fence, FenceLog
 from overlapddp.join import OverlapJoinHook, announce_backward_sync, common_rank
 from overlapddp.mixed_precision import MixedPrecision, ParameterCasts, ReduceInPrecision, reduce_in_precision_hook
-from overlapddp.module_sync import broadcast_buffers, broadcast_coalesced
+from overlapddp.module_sync import broadcast_buffers, broadcast_state
 from overlapddp.optimizer_guard import OptimizerGuard
 from overlapddp.optimizer_overlap import OverlappedOptimizer
 from overlapddp.param_usage import map_tensors, tensors_in
@@ -230,10 +230,8 @@ class OverlapDDP(nn.Module, Joinable):
 
     def _broadcast_state(self, source: int, with_buffers: bool) -> None:
         """Parameters (and, ``with_buffers``, buffers) from rank ``source`` to all ranks."""
-        states = [p.detach() for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
-        if with_buffers:
-            states += self.modules_buffers
-        broadcast_coalesced(states, source, self.process_group)
+        parameters = [p for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
+        broadcast_state(parameters, self.modules_buffers if with_buffers else [], source, self.process_group)
 
     def will_sync_module_buffers(self) -> bool:
         """Whether the next forward broadcasts buffers from rank 0 (DDP's rule, no_sync exceptions included)."""

@@ -39,6 +39,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from overlapddp.module_sync import broadcast_from
 from overlapddp.bucket_plan import MIB, BucketCaps, BucketPlan, rebuilt_plan
 from overlapddp.tuning.clock import HostClock, Stamp
 
@@ -95,7 +96,7 @@ def agree_on_ranking(
     order = torch.zeros(len(local), dtype=torch.int64, device=device)
     if dist.get_rank(process_group) == 0:
         order[:] = torch.tensor(ranking(times.tolist(), summary))
-    dist.broadcast(order, src=dist.get_global_rank(process_group, 0), group=process_group)
+    broadcast_from(order, 0, process_group)
     return order.tolist()
 
 

@@ -25,6 +25,7 @@ from typing import Callable, Sequence, cast
 import torch
 import torch.distributed as dist
 
+from overlapddp.module_sync import broadcast_from
 from overlapddp.bucket_plan import BucketPlan, explicit_plan
 from overlapddp.tuning.clock import Stamp, clock_for
 from overlapddp.tuning.selection import MAX_SELECTION_ITERATIONS, PlanSelection, candidate_layouts
@@ -197,7 +198,7 @@ class PlanTuner:
                 order = [i for members in plan.buckets for i in members]
                 layout[0] = torch.tensor(order)
                 layout[1, : len(plan.buckets)] = torch.tensor([len(m) for m in plan.buckets])
-        dist.broadcast(layout, src=dist.get_global_rank(process_group, 0), group=process_group)
+        broadcast_from(layout, 0, process_group)
         self._ready, self._buckets = [], []
         order, lengths = layout[0].tolist(), [n for n in layout[1].tolist() if n > 0]
         if not lengths:
