@@ -134,7 +134,10 @@ class BucketPipeline:
         optimizer's update of this bucket) with its parameters."""
         shared = self._shared
         with torch.autograd.profiler.record_function(f"overlapddp.bucket_{self.index}.complete"):
-            value = self._complete()
+            try:
+                value = shared.fence.complete(self.index)
+            except Exception as error:
+                raise self._failed(error) from error
             reduced_at = timing.now() if timing is not None else None
             shared.write_watch.check(self.index)
             result = hook_result(value, shared.reduction.hook_name, self.index, self.storage.buffer)
@@ -146,20 +149,17 @@ class BucketPipeline:
         if timing is not None and reduced_at is not None:
             timing.bucket_finalized(reduced_at, timing.now())
 
-    def _complete(self) -> object:
-        """The reduced value, or an error that says which bucket and rank failed (and, from the
-        progress records, which ranks are behind)."""
-        try:
-            return self._shared.fence.complete(self.index)
-        except Exception as error:
-            names = self._shared.names
-            listed = ", ".join(names[i] for i in self.members[:4]) + (", ..." if len(self.members) > 4 else "")
-            raise RuntimeError(
-                f"The reduction of bucket {self.index} ({len(self.members)} parameters: {listed}) failed on rank "
-                f"{self._shared.reduction.rank}: {error}. Another rank may have died or timed out."
-                f"{self._shared.progress.behind(self.index)} This iteration's gradients were not reduced; the "
-                "process group may no longer be usable."
-            ) from error
+    def _failed(self, error: Exception) -> RuntimeError:
+        """The error for a failed completion: which bucket and rank failed, and (from the progress
+        records) which ranks are behind."""
+        names = self._shared.names
+        listed = ", ".join(names[i] for i in self.members[:4]) + (", ..." if len(self.members) > 4 else "")
+        return RuntimeError(
+            f"The reduction of bucket {self.index} ({len(self.members)} parameters: {listed}) failed on rank "
+            f"{self._shared.reduction.rank}: {error}. Another rank may have died or timed out."
+            f"{self._shared.progress.behind(self.index)} This iteration's gradients were not reduced; the "
+            "process group may no longer be usable."
+        )
 
     def shadow(self) -> torch.futures.Future:
         """A joined rank's part: the same collective as the others', on zeros."""

@@ -13,18 +13,11 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from torch.futures import Future
 
 from overlapddp.bucket_storage import BucketStorage
 from overlapddp.comm_hook import Bucket, CommHook, is_unchained, run_hook
 from overlapddp.sparse_reduction import SparseBucketStorage
 from overlapddp.token_weighting import TokenCount
-
-
-def allreduce_sum(process_group: dist.ProcessGroup, bucket: Bucket) -> Future[list[torch.Tensor]]:
-    """The default reduction: an in-place SUM all-reduce of the (already scaled) buffer."""
-    work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)
-    return work.get_future()
 
 
 class BucketReduction:
@@ -108,8 +101,8 @@ class BucketReduction:
 
     def start(self, bucket: Bucket) -> torch.futures.Future:
         """Start one bucket's collective(s): the scaled sum, or the registered hook."""
-        if self.comm_hook is None:
-            return allreduce_sum(self.process_group, bucket)
+        if self.comm_hook is None:  # an in-place SUM all-reduce of the (already scaled) buffer
+            return dist.all_reduce(bucket.buffer(), group=self.process_group, async_op=True).get_future()
         state, hook = self.comm_hook
         # Hook chains run one bucket at a time, see [Note: one hook chain at a time] in
         # comm_hook.py: bucket b's hook starts once bucket b-1's future (kept here from the
