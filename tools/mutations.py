@@ -103,14 +103,6 @@ MUTATIONS = (
          "[launch-None]",),
     ),
     Mutation(
-        "launch_before_last_copy_in",
-        "a bucket is launched when one gradient is still missing, before the bucket is copied in",
-        "overlapddp/bucket_pipeline.py",
-        "        self.missing -= 1\n        if self.missing:\n            return False\n",
-        "        self.missing -= 1\n        if self.missing > 1:\n            return False\n",
-        (HANDED_OVER,),
-    ),
-    Mutation(
         "launch_before_copy_in",
         "a complete bucket's collective starts before its gradients are copied into its buffer",
         "overlapddp/bucket_pipeline.py",
