@@ -328,6 +328,30 @@ MUTATIONS = (
         "",
         (f"{LOOPS}[2]",),
     ),
+    Mutation(
+        "progress_waiting_unrecorded",
+        "a rank writes its 'waiting for bucket' record only when the collective is already done",
+        "overlapddp/progress.py",
+        "        if self._store is None or future.done():\n            return\n",
+        "        if self._store is None or not future.done():\n            return\n",
+        ("tests/test_desync.py::test_a_rank_really_waiting_for_a_bucket_says_so_in_its_record",),
+    ),
+    Mutation(
+        "init_sync_skips_frozen_parameters",
+        "the init-time broadcast covers only parameters that require grad: a frozen layer stays per rank",
+        "overlapddp/construction.py",
+        "synchronized=[p.detach() for _, p in named],",
+        "synchronized=[p.detach() for _, p in trainable],",
+        ("tests/test_wrapper.py::test_init_sync_broadcasts_frozen_parameters_as_ddp_does",),
+    ),
+    Mutation(
+        "mixed_precision_casts_integer_inputs",
+        "mixed precision casts integer and bool inputs to param_dtype too (embedding indices, masks)",
+        "overlapddp/mixed_precision.py",
+        "if self.param_dtype is None or not tensor.is_floating_point() or tensor.dtype == self.param_dtype:",
+        "if self.param_dtype is None or tensor.dtype == self.param_dtype:",
+        ("tests/test_mixed_precision.py::test_integer_and_bool_inputs_keep_their_dtype[2]",),
+    ),
 )
 
 
