@@ -46,6 +46,7 @@ LOOPS = "tests/test_loops.py::test_gan_steps_and_reentrant_checkpoints_match_ddp
 JOIN_WS2 = "tests/test_join.py::test_join_with_uneven_inputs_is_bit_equal_to_ddp_every_step_and_after[2]"
 STEM_FIRST = "tests/test_compile.py::test_every_bucket_but_the_stems_launches_in_the_first_half_of_a_compiled_backward"
 HOOK_VALUES = "tests/test_comm_hooks.py::test_hook_parameters_and_buffers_equal_ddp_after_every_step"
+TOKENS_EXACT = "tests/test_token_weighting.py::test_token_weighting_is_bit_equal_to_ddp_dividing_by_the_global_count_every_step"
 
 
 @dataclass(frozen=True)
@@ -351,6 +352,22 @@ MUTATIONS = (
         "if self.param_dtype is None or not tensor.is_floating_point() or tensor.dtype == self.param_dtype:",
         "if self.param_dtype is None or tensor.dtype == self.param_dtype:",
         ("tests/test_mixed_precision.py::test_integer_and_bool_inputs_keep_their_dtype[2]",),
+    ),
+    Mutation(
+        "token_count_not_reset",
+        "count_tokens: the local count is not reset after its all-reduce (later steps divide by a growing total)",
+        "overlapddp/token_weighting.py",
+        "                self._copied.record(self._stream)\n        self.local = 0\n",
+        "                self._copied.record(self._stream)\n",
+        (f"{TOKENS_EXACT}[2]",),
+    ),
+    Mutation(
+        "token_weighting_divides_twice_when_batched",
+        "count_tokens with batched_grad_copy: each bucket is multiplied by 1/N while copied and divided by N",
+        "overlapddp/bucket_reduction.py",
+        "            self._scale = None if batched else 1.0 / self._divide_by\n",
+        "            self._scale = 1.0 / self._divide_by\n",
+        (f"{TOKENS_EXACT}[2]",),
     ),
 )
 
