@@ -369,6 +369,15 @@ MUTATIONS = (
         "            self._scale = 1.0 / self._divide_by\n",
         (f"{TOKENS_EXACT}[2]",),
     ),
+    Mutation(
+        "lightning_manual_arms_under_toggle_model",
+        "Lightning manual optimization arms the reduction even under toggle_model(sync_grad=False)",
+        "overlapddp/integrations/trainer_strategy.py",
+        "        if torch.is_grad_enabled() and model.require_backward_grad_sync:\n",
+        "        if torch.is_grad_enabled():\n",
+        ("tests/test_frameworks.py::test_lightning_manual_accumulation_under_toggle_model_reduces_once_per_step_as_ddp"
+         "[lightning]",),
+    ),
 )
 
 
