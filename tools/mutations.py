@@ -378,6 +378,22 @@ MUTATIONS = (
         ("tests/test_frameworks.py::test_lightning_manual_accumulation_under_toggle_model_reduces_once_per_step_as_ddp"
          "[lightning]",),
     ),
+    Mutation(
+        "find_unused_starts_in_one_bucket",
+        "find_unused_parameters=True starts in one bucket as static_graph does (DDP: cap-sized, never rebuilt)",
+        "overlapddp/bucket_plan.py",
+        "        if static_graph or not find_unused_parameters:\n",
+        "        if not static_graph or not find_unused_parameters:\n",
+        (f"{LOOPS}[3]",),
+    ),
+    Mutation(
+        "static_graph_unused_prepended",
+        "static_graph: the parameters that never fired go first in the rebuilt ready order (DDP appends them)",
+        "overlapddp/layout_lifecycle.py",
+        "            self._ready_order += list(unused)\n",
+        "            self._ready_order = list(unused) + self._ready_order\n",
+        (f"{LOOPS}[2]",),
+    ),
 )
 
 
