@@ -363,7 +363,9 @@ class Reducer:
 
         The caller then queues :meth:`finalize` to run at the end of this backward.
         """
-        if self._usage is not None and (self.options.searches_unused_each_forward or self.learns_graph_next):
+        # As DDP: a hook fired with an undefined gradient (from an output the loss never reached) is not a use.
+        used = self.params[index].grad is not None
+        if self._usage is not None and used and (self.options.searches_unused_each_forward or self.learns_graph_next):
             self._usage.mark_used(index)
         if self.state not in _IN_BACKWARD:
             self._local_gradient(index)

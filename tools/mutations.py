@@ -46,6 +46,7 @@ LOOPS = "tests/test_loops.py::test_gan_steps_and_reentrant_checkpoints_match_ddp
 JOIN_WS2 = "tests/test_join.py::test_join_with_uneven_inputs_is_bit_equal_to_ddp_every_step_and_after[2]"
 STEM_FIRST = "tests/test_compile.py::test_every_bucket_but_the_stems_launches_in_the_first_half_of_a_compiled_backward"
 HOOK_VALUES = "tests/test_comm_hooks.py::test_hook_parameters_and_buffers_equal_ddp_after_every_step"
+USER_INPUTS = "tests/test_user_inputs.py::test_user_inputs_and_outputs_are_bit_equal_to_ddp_in_every_mode"
 TOKENS_EXACT = "tests/test_token_weighting.py::test_token_weighting_is_bit_equal_to_ddp_dividing_by_the_global_count_every_step"
 
 
@@ -393,6 +394,22 @@ MUTATIONS = (
         "            self._ready_order += list(unused)\n",
         "            self._ready_order = list(unused) + self._ready_order\n",
         (f"{LOOPS}[2]",),
+    ),
+    Mutation(
+        "undefined_gradient_counted_as_used",
+        "a hook that fires with an undefined gradient (an output the loss never reached) counts as a use",
+        "overlapddp/reducer.py",
+        "        used = self.params[index].grad is not None\n",
+        "        used = True\n",
+        (f"{USER_INPUTS}[2]",),
+    ),
+    Mutation(
+        "outputs_not_routed_for_unused_search",
+        "find_unused_parameters: outputs the loss never reaches leave their parameters' buckets incomplete",
+        "overlapddp/wrapper.py",
+        "                output = _end_of_backward_trigger(output, None)\n",
+        "                pass\n",
+        (f"{USER_INPUTS}[2]",),
     ),
 )
 
