@@ -383,8 +383,8 @@ MUTATIONS = (
         "find_unused_starts_in_one_bucket",
         "find_unused_parameters=True starts in one bucket as static_graph does (DDP: cap-sized, never rebuilt)",
         "overlapddp/bucket_plan.py",
-        "        if static_graph or not find_unused_parameters:\n",
-        "        if not static_graph or not find_unused_parameters:\n",
+        "        if not searches_unused_each_forward:\n            return [sys.maxsize]\n",
+        "        return [sys.maxsize]\n",
         (f"{LOOPS}[3]",),
     ),
     Mutation(
