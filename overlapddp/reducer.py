@@ -25,7 +25,7 @@ from overlapddp.bucket_pipeline import BucketPipeline, SharedStages
 from overlapddp.bucket_plan import BucketCaps, BucketPlan
 from overlapddp.bucket_reduction import BucketReduction
 from overlapddp.bucket_storage import BucketStorage
-from overlapddp.comm_hook import CommHook
+from overlapddp.comm_hook import CommHook, is_unchained
 from overlapddp.delayed_reduction import DelayedReduction
 from overlapddp.fence import Fence
 from overlapddp.gradient_checks import GradientWriteWatch
@@ -454,7 +454,11 @@ class Reducer:
         """``param_to_hook_all_reduce`` has its gradient: start the delayed all-reduce, once per
         synchronized backward (finalize completes it, or starts it if this never ran)."""
         delayed = cast(DelayedReduction, self.delayed)  # this hook is registered only with one
-        if self.state in _IN_BACKWARD and not delayed.launched:
+        # A hook that issues collectives from its callbacks (PowerSGD) would interleave them with this
+        # one in a different order on each rank: then finalize starts it, after every bucket's chain.
+        hook = self.comm_hook
+        chained = hook is not None and not is_unchained(hook[1])
+        if self.state in _IN_BACKWARD and not delayed.launched and not chained:
             delayed.launch(self.fence)
 
     def reduce_at_end_of_backward(self) -> None:

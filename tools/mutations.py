@@ -411,6 +411,14 @@ MUTATIONS = (
         "                pass\n",
         (f"{USER_INPUTS}[2]",),
     ),
+    Mutation(
+        "delayed_launch_amid_hook_chains",
+        "the delayed all-reduce starts at its hook parameter's gradient even while PowerSGD chains issue collectives",
+        "overlapddp/reducer.py",
+        "        chained = hook is not None and not is_unchained(hook[1])\n",
+        "        chained = False\n",
+        ("tests/test_delayed.py::test_the_delayed_all_reduce_and_powersgd_issue_their_collectives_in_one_order_on_every_rank",),
+    ),
 )
 
 
