@@ -25,7 +25,7 @@ from overlapddp.bucket_pipeline import BucketPipeline, SharedStages
 from overlapddp.bucket_plan import BucketCaps, BucketPlan
 from overlapddp.bucket_reduction import BucketReduction
 from overlapddp.bucket_storage import BucketStorage
-from overlapddp.comm_hook import CommHook, is_unchained
+from overlapddp.comm_hook import CommHook
 from overlapddp.delayed_reduction import DelayedReduction
 from overlapddp.fence import Fence
 from overlapddp.gradient_checks import GradientWriteWatch
@@ -434,7 +434,8 @@ class Reducer:
                 self._launch(pipeline)
             iteration.next_launch += 1
             if iteration.next_launch == len(self.pipelines) and self.options.searches_unused_each_forward:
-                self._used.launch_reduction(self.process_group)
+                if not self._shared.reduction.issues_from_callbacks:  # else finalize launches it
+                    self._used.launch_reduction(self.process_group)
 
     def _launch(self, pipeline: BucketPipeline) -> None:
         try:
@@ -456,8 +457,7 @@ class Reducer:
         delayed = cast(DelayedReduction, self.delayed)  # this hook is registered only with one
         # A hook that issues collectives from its callbacks (PowerSGD) would interleave them with this
         # one in a different order on each rank: then finalize starts it, after every bucket's chain.
-        hook = self.comm_hook
-        chained = hook is not None and not is_unchained(hook[1])
+        chained = self._shared.reduction.issues_from_callbacks
         if self.state in _IN_BACKWARD and not delayed.launched and not chained:
             delayed.launch(self.fence)
 
@@ -488,6 +488,11 @@ class Reducer:
         fence, iteration = self.fence, self._iteration
         fence.backward_ended()
         try:
+            if self.options.searches_unused_each_forward and self._shared.reduction.issues_from_callbacks:
+                # The usage flags' all-reduce after every hook chain, so no rank issues it between a
+                # chain's collectives (see BucketReduction.issues_from_callbacks).
+                self._shared.reduction.wait_for_hook_chains()
+                self._used.launch_reduction(self.process_group)
             for pipeline in self.pipelines:
                 if self._skipped(pipeline):
                     continue

@@ -259,16 +259,3 @@ def test_stock_ddp_reads_the_delayed_gradients_before_they_are_reduced(results):
         # is itself delayed, no pause helps.
         assert all("module.big.weight.grad" in step for step in per_rank["stock_hook_on_itself_after_a_pause"])
 
-
-def test_the_delayed_all_reduce_and_powersgd_issue_their_collectives_in_one_order_on_every_rank():
-    """PowerSGD issues collectives from its callbacks; a delayed all-reduce started meanwhile from the
-    hook parameter's gradient lands between them in a different order on each rank (gloo aborts:
-    "Received data size doesn't match expected size"). Four runs of three steps at 3 ranks, each
-    bit-equal to stock DDP with the same hook and delay (tests/option_pairs.py)."""
-    from tests import option_pairs
-
-    row = {name: values[0] for name, values in option_pairs.FACTORS.items()}
-    row.update(world_size=3, hook="powerSGD/sync", delay_all_reduce=True)
-    for rank, results in enumerate(run_ranks(3, option_pairs.run_rows, [row] * 4)):
-        assert results == {option_pairs.name(row): {"ddp_error": None, "ours_error": None, "difference": None}}, \
-            f"rank {rank}: {results}"

@@ -46,6 +46,8 @@ LOOPS = "tests/test_loops.py::test_gan_steps_and_reentrant_checkpoints_match_ddp
 JOIN_WS2 = "tests/test_join.py::test_join_with_uneven_inputs_is_bit_equal_to_ddp_every_step_and_after[2]"
 STEM_FIRST = "tests/test_compile.py::test_every_bucket_but_the_stems_launches_in_the_first_half_of_a_compiled_backward"
 HOOK_VALUES = "tests/test_comm_hooks.py::test_hook_parameters_and_buffers_equal_ddp_after_every_step"
+HOOK_ORDER = ("tests/test_option_pairs.py::"
+              "test_collectives_started_between_a_hooks_callbacks_keep_one_order_on_every_rank")
 USER_INPUTS = "tests/test_user_inputs.py::test_user_inputs_and_outputs_are_bit_equal_to_ddp_in_every_mode"
 TOKENS_EXACT = "tests/test_token_weighting.py::test_token_weighting_is_bit_equal_to_ddp_dividing_by_the_global_count_every_step"
 
@@ -415,9 +417,17 @@ MUTATIONS = (
         "delayed_launch_amid_hook_chains",
         "the delayed all-reduce starts at its hook parameter's gradient even while PowerSGD chains issue collectives",
         "overlapddp/reducer.py",
-        "        chained = hook is not None and not is_unchained(hook[1])\n",
+        "        chained = self._shared.reduction.issues_from_callbacks\n",
         "        chained = False\n",
-        ("tests/test_delayed.py::test_the_delayed_all_reduce_and_powersgd_issue_their_collectives_in_one_order_on_every_rank",),
+        (HOOK_ORDER,),
+    ),
+    Mutation(
+        "usage_reduction_amid_hook_chains",
+        "find_unused_parameters: the usage flags' all-reduce starts with the last bucket amid PowerSGD's chains",
+        "overlapddp/reducer.py",
+        "                if not self._shared.reduction.issues_from_callbacks:  # else finalize launches it\n",
+        "                if True:\n",
+        (HOOK_ORDER,),
     ),
 )
 
