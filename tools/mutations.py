@@ -344,8 +344,8 @@ MUTATIONS = (
         "init_sync_skips_frozen_parameters",
         "the init-time broadcast covers only parameters that require grad: a frozen layer stays per rank",
         "overlapddp/construction.py",
-        "synchronized=[p.detach() for _, p in named],",
-        "synchronized=[p.detach() for _, p in trainable],",
+        "synchronized=[p for _, p in named],",
+        "synchronized=[p for _, p in trainable],",
         ("tests/test_wrapper.py::test_init_sync_broadcasts_frozen_parameters_as_ddp_does",),
     ),
     Mutation(
