@@ -258,4 +258,3 @@ def test_stock_ddp_reads_the_delayed_gradients_before_they_are_reduced(results):
         # DDP's hook runs before the hook parameter's own gradient is accumulated: when that parameter
         # is itself delayed, no pause helps.
         assert all("module.big.weight.grad" in step for step in per_rank["stock_hook_on_itself_after_a_pause"])
-
