@@ -99,6 +99,17 @@ class BucketReduction:
             alias_divide_by=self._divide_by if no_hook and not batched else None,
         )
 
+    @property
+    def issues_from_callbacks(self) -> bool:
+        """Whether the registered hook may issue collectives from its callbacks (PowerSGD): then no
+        other collective may start while a chain runs, or ranks issue them in different orders."""
+        return self.comm_hook is not None and not is_unchained(self.comm_hook[1])
+
+    def wait_for_hook_chains(self) -> None:
+        """Until the last hook chain started (so every earlier one, see start) has issued its last collective."""
+        if self._hook_future is not None:
+            self._hook_future.wait()
+
     def start(self, bucket: Bucket) -> torch.futures.Future:
         """Start one bucket's collective(s): the scaled sum, or the registered hook."""
         if self.comm_hook is None:  # an in-place SUM all-reduce of the (already scaled) buffer

@@ -363,7 +363,9 @@ class Reducer:
 
         The caller then queues :meth:`finalize` to run at the end of this backward.
         """
-        if self._usage is not None and (self.options.searches_unused_each_forward or self.learns_graph_next):
+        # As DDP: a hook fired with an undefined gradient (from an output the loss never reached) is not a use.
+        used = self.params[index].grad is not None
+        if self._usage is not None and used and (self.options.searches_unused_each_forward or self.learns_graph_next):
             self._usage.mark_used(index)
         if self.state not in _IN_BACKWARD:
             self._local_gradient(index)
@@ -432,7 +434,8 @@ class Reducer:
                 self._launch(pipeline)
             iteration.next_launch += 1
             if iteration.next_launch == len(self.pipelines) and self.options.searches_unused_each_forward:
-                self._used.launch_reduction(self.process_group)
+                if not self._shared.reduction.issues_from_callbacks:  # else finalize launches it
+                    self._used.launch_reduction(self.process_group)
 
     def _launch(self, pipeline: BucketPipeline) -> None:
         try:
@@ -452,7 +455,10 @@ class Reducer:
         """``param_to_hook_all_reduce`` has its gradient: start the delayed all-reduce, once per
         synchronized backward (finalize completes it, or starts it if this never ran)."""
         delayed = cast(DelayedReduction, self.delayed)  # this hook is registered only with one
-        if self.state in _IN_BACKWARD and not delayed.launched:
+        # A hook that issues collectives from its callbacks (PowerSGD) would interleave them with this
+        # one in a different order on each rank: then finalize starts it, after every bucket's chain.
+        chained = self._shared.reduction.issues_from_callbacks
+        if self.state in _IN_BACKWARD and not delayed.launched and not chained:
             delayed.launch(self.fence)
 
     def reduce_at_end_of_backward(self) -> None:
@@ -482,6 +488,11 @@ class Reducer:
         fence, iteration = self.fence, self._iteration
         fence.backward_ended()
         try:
+            if self.options.searches_unused_each_forward and self._shared.reduction.issues_from_callbacks:
+                # The usage flags' all-reduce after every hook chain, so no rank issues it between a
+                # chain's collectives (see BucketReduction.issues_from_callbacks).
+                self._shared.reduction.wait_for_hook_chains()
+                self._used.launch_reduction(self.process_group)
             for pipeline in self.pipelines:
                 if self._skipped(pipeline):
                     continue

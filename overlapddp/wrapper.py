@@ -183,6 +183,10 @@ class OverlapDDP(nn.Module, Joinable):
             self._expect_backward(list(tensors_in(output)))
             if self._reducer.needs_end_of_backward_trigger:
                 output = _end_of_backward_trigger(output, self._reducer)
+            elif self.find_unused_parameters and not self.static_graph:
+                # As DDP's sink: an output the loss never reaches still fires its parameters' hooks (with
+                # an undefined gradient: unused), so their buckets complete.
+                output = _end_of_backward_trigger(output, None)
         else:
             self.require_forward_param_sync = False
         return output
@@ -544,26 +548,28 @@ def _at_end_of_backward(callback: Callable[[], None]) -> None:
 class _EndOfBackward(torch.autograd.Function):
     """Identity on the outputs whose backward queues the reduction of a backward that only counts its
     gradients (the static graph's first; one through a reentrant checkpoint with find_unused_parameters).
+    With no reducer it queues nothing: it only passes an undefined gradient on for each output the loss
+    did not reach, so the hooks of the parameters behind it still fire (DDP's ``_DDPSink``).
 
     Its backward runs first in the outermost graph task, so the queued callback runs when that
     whole backward (reentrant checkpoints included) has finished.
     """
 
     @staticmethod
-    def forward(ctx: Any, reducer: Reducer, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, reducer: Reducer | None, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.reducer = reducer
         ctx.set_materialize_grads(False)
         return tuple(t.clone() for t in tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        if not getattr(ctx, "queued", False):
+        if ctx.reducer is not None and not getattr(ctx, "queued", False):
             ctx.queued = True
             queue_callback(ctx.reducer.reduce_at_end_of_backward)
         return (None, *grads)
 
 
-def _end_of_backward_trigger(output: Any, reducer: Reducer) -> Any:
+def _end_of_backward_trigger(output: Any, reducer: Reducer | None) -> Any:
     """Route the differentiable tensors of ``output`` through :class:`_EndOfBackward`, keeping its structure."""
     leaves = [t for t in tensors_in(output) if t.grad_fn is not None]
     if not leaves:

@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from overlapddp import OverlapDDP
-from tests.parity import first_difference, first_grad_difference
+from tests.parity import ddp_layout, first_difference, first_grad_difference
 
 STEPS = 4
 
@@ -151,6 +151,9 @@ class CheckpointCase:
     dynamic: bool  # whether ``sometimes`` is used on some steps only (rank-dependent)
     shared: bool = True
     accumulate: int = 1  # micro-steps per step, all but the last under no_sync()
+    candidate: tuple[tuple[str, Any], ...] = (("find_unused_parameters", True),)  # OverlapDDP's arguments
+    bucket_cap_mb: float | None = None  # both wrappers'
+    momentum: float = 0.0
 
 
 CHECKPOINT_CASES = [
@@ -162,21 +165,35 @@ CHECKPOINT_CASES = [
     CheckpointCase("ckpt-dynamic", (("find_unused_parameters", True),), False, dynamic=True),
     CheckpointCase("ckpt-dynamic-no_sync", (("find_unused_parameters", True),), False, dynamic=True, shared=False,
                    accumulate=2),
+    # Small buckets (two of about 1 KB), momentum, the same graph every step, compared at every step
+    # at 3 ranks too. Each mode against DDP in the same mode: find_unused_parameters=True keeps the
+    # constructor's cap-sized buckets for good (DDP where it runs the graph: without reentrancy);
+    # static_graph=True starts from one bucket and rebuilds it in ready order after iteration 2.
+    # (Across the modes the layouts differ, so from 3 ranks on the sums differ, in DDP too.)
+    CheckpointCase("ckpt-find_unused-small-buckets", (("find_unused_parameters", True),), False, dynamic=False,
+                   bucket_cap_mb=0.001, momentum=0.9),
+    CheckpointCase("ckpt-static-small-buckets", (("static_graph", True),), True, dynamic=False,
+                   candidate=(("static_graph", True),), bucket_cap_mb=0.001, momentum=0.9),
 ]
 
 
 def run_checkpointed(rank: int, world_size: int, case: CheckpointCase) -> str | None:
-    """OverlapDDP(find_unused_parameters=True) on reentrant checkpoints against ``case``'s stock DDP:
-    the first difference, or ``None``.
+    """OverlapDDP (``case.candidate``, reentrant checkpoints) against ``case``'s stock DDP: the first
+    difference in values or bucket layout, or ``None``.
 
     DDP with static_graph=True rebuilds its buckets in gradient-ready order after iteration 2, which
     find_unused_parameters=True never does (in DDP either). From 3 ranks on gloo's sum of an element
-    depends on its offset in the bucket, so there only the steps before that rebuild are compared;
-    the dynamic cases (same layout as DDP) cover 3 ranks at every step."""
-    reference = DistributedDataParallel(Segmented(case.reference_reentrant, case.shared), **dict(case.reference))
-    candidate = OverlapDDP(Segmented(True, case.shared), find_unused_parameters=True)
-    pairs = [(w, torch.optim.SGD(w.parameters(), lr=0.1)) for w in (reference, candidate)]
-    rebuilds = dict(case.reference).get("static_graph", False) and world_size > 2
+    depends on its offset in the bucket, so where the two wrappers run different modes only the steps
+    before that rebuild are compared (and only with buckets large enough to hold every parameter,
+    where the modes start from the same layout); wrappers in the same mode are compared at every
+    step, their layouts too."""
+    cap = case.bucket_cap_mb
+    reference = DistributedDataParallel(Segmented(case.reference_reentrant, case.shared), bucket_cap_mb=cap,
+                                        **dict(case.reference))
+    candidate = OverlapDDP(Segmented(True, case.shared), bucket_cap_mb=cap, **dict(case.candidate))
+    pairs = [(w, torch.optim.SGD(w.parameters(), lr=0.1, momentum=case.momentum)) for w in (reference, candidate)]
+    same_mode = dict(case.reference).get("static_graph", False) == dict(case.candidate).get("static_graph", False)
+    rebuilds = not same_mode and world_size > 2
     for step in range(2 if rebuilds else STEPS):
         for wrapper, _ in pairs:
             for micro in range(case.accumulate):
@@ -193,6 +210,8 @@ def run_checkpointed(rank: int, world_size: int, case: CheckpointCase) -> str | 
             opt.step()
             opt.zero_grad()
         difference = difference or first_difference(reference.module, candidate.module)
+        if difference is None and same_mode and ddp_layout(reference) != candidate.bucket_indices():
+            difference = f"buckets {candidate.bucket_indices()}, DDP's {ddp_layout(reference)}"
         if difference is not None:
             return f"step {step}: {difference}"
     return None

@@ -63,3 +63,28 @@ def test_a_stuck_rank_is_named_within_the_timeout():
 def test_a_rank_that_died_is_named():
     said = run_ranks(2, _train, "die", pg_timeout_s=20, dying=frozenset({1}))
     assert "Ranks behind: rank 1: at iteration 2 (forward ran, its backward not reduced" in said[0], said[0]
+
+
+def _watch_rank_0_wait(rank: int, world_size: int) -> object:
+    """Rank 1 holds back its second backward until rank 0's record says it waits for a bucket
+    (at most 30 s), then runs it: what rank 1 read, or None if rank 0 never said so."""
+    model = OverlapDDP(models.build("mlp"))
+    seen = None
+    for iteration in range(2):
+        inputs, target = models.batch("mlp", rank, iteration)
+        loss = models.loss_of(model(inputs), target)
+        if iteration == 1 and rank == 1:
+            deadline = time.monotonic() + 30
+            while seen is None and time.monotonic() < deadline:
+                record = model._reducer.progress._others()[0]
+                seen = record.waiting if record is not None else None
+                time.sleep(0.05)
+        loss.backward()
+    return seen
+
+
+def test_a_rank_really_waiting_for_a_bucket_says_so_in_its_record():
+    """Rank 0 cannot finish its second backward before rank 1 starts its own: its record must say
+    which bucket of which backward it waits for while it waits, not only once the collective is done."""
+    seen = run_ranks(2, _watch_rank_0_wait)
+    assert seen[1] == (2, 0), seen

@@ -100,17 +100,25 @@ def _trainer(tmp: Path, pl: Any, DDPStrategy: type, OverlapDDPStrategy: type) ->
     class Regressor(pl.LightningModule):
         """Automatic or manual optimization; manual runs two backward passes per forward, as a GAN does."""
 
-        def __init__(self, manual: bool = False, unused: bool = False) -> None:
+        def __init__(self, manual: bool = False, unused: bool = False, accumulate_manually: bool = False) -> None:
             super().__init__()
             self.net = _mlp()
             self.unused = nn.Linear(4, 4) if unused else None
             self.automatic_optimization = not manual
+            self.accumulate_manually = accumulate_manually
 
         def training_step(self, batch: Any, batch_idx: int) -> Any:
             inputs, targets = batch
             if self.automatic_optimization:
                 return nn.functional.mse_loss(self.net(inputs), targets)
             optimizer = self.optimizers()
+            if self.accumulate_manually:  # Lightning's recipe: the first half's backward is not reduced
+                for half, sync in ((slice(0, 2), False), (slice(2, 4), True)):
+                    with optimizer.toggle_model(sync_grad=sync):
+                        self.manual_backward(nn.functional.mse_loss(self.net(inputs[half]), targets[half]))
+                optimizer.step()
+                optimizer.zero_grad()
+                return None
             for half in (slice(0, 2), slice(2, 4)):
                 self.manual_backward(nn.functional.mse_loss(self.net(inputs[half]), targets[half]))
                 optimizer.step()
@@ -137,10 +145,12 @@ def _trainer(tmp: Path, pl: Any, DDPStrategy: type, OverlapDDPStrategy: type) ->
 
     def fit(strategy: Any, steps: int, **options: Any) -> tuple[Regressor, pl.Trainer, Record]:
         pl.seed_everything(0, verbose=False)
-        model = Regressor(manual=options.pop("manual", False), unused=options.pop("unused", False))
+        model = Regressor(manual=options.pop("manual", False), unused=options.pop("unused", False),
+                          accumulate_manually=options.pop("accumulate_manually", False))
         record = Record()
+        callbacks = [record, *options.pop("callbacks", [])]
         trainer = pl.Trainer(
-            accelerator="cpu", devices=WORLD_SIZE, strategy=strategy, max_steps=steps, callbacks=[record],
+            accelerator="cpu", devices=WORLD_SIZE, strategy=strategy, max_steps=steps, callbacks=callbacks,
             accumulate_grad_batches=options.pop("accumulate", 1), logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         )
@@ -169,6 +179,23 @@ def _trainer(tmp: Path, pl: Any, DDPStrategy: type, OverlapDDPStrategy: type) ->
         _, _, record = fit(name, steps=6, manual=True)  # two optimizer steps per batch
         return {"params": record.params, "wrappers": record.wrappers}
 
+    def manual_accumulate(name: str) -> dict[str, Any]:
+        """toggle_model(sync_grad=False) for the first of two backward passes, then one step. Each
+        wrapper gets the same counting all-reduce hook (at 2 ranks its division is DDP's scaling,
+        bit for bit), so the reductions per batch are counted for DDP and OverlapDDP alike."""
+        reduced: list[int] = []
+
+        def counting(state, bucket):  # unannotated: DDP rejects the string annotations of this module
+            reduced.append(bucket.index())
+            return default_hooks.allreduce_hook(state, bucket)
+
+        class CountReductions(pl.Callback):
+            def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+                trainer.strategy.model.register_comm_hook(dist.group.WORLD, counting)
+
+        _, _, record = fit(name, steps=3, manual=True, accumulate_manually=True, callbacks=[CountReductions()])
+        return {"params": record.params, "wrappers": record.wrappers, "reductions": len(reduced)}
+
     hook_calls = []
 
     def counting_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -179,6 +206,7 @@ def _trainer(tmp: Path, pl: Any, DDPStrategy: type, OverlapDDPStrategy: type) ->
         "by_name": {"ddp": by_name("ddp"), "overlap_ddp": by_name("overlap_ddp")},
         "with_arguments": {"ddp": with_arguments(DDPStrategy), "overlap_ddp": with_arguments(OverlapDDPStrategy)},
         "manual": {"ddp": manual("ddp"), "overlap_ddp": manual("overlap_ddp")},
+        "manual_accumulate": {"ddp": manual_accumulate("ddp"), "overlap_ddp": manual_accumulate("overlap_ddp")},
     }
     fit(OverlapDDPStrategy(ddp_comm_hook=counting_hook, bucket_cap_mb=0.001), steps=2)
     refused = _error_of(lambda: fit(OverlapDDPStrategy(static_graph=True), steps=1, manual=True))
@@ -457,6 +485,17 @@ def test_lightning_manual_optimization_reduces_every_backward_as_ddp(ranks, pack
         assert result["manual"]["overlap_ddp"]["wrappers"] == {"OverlapDDP"}
         _assert_bit_equal(result["manual"], batches=3)
         assert result["manual_static_graph"].startswith("ValueError: OverlapDDPStrategy(static_graph=True) with manual")
+
+
+@TRAINERS
+def test_lightning_manual_accumulation_under_toggle_model_reduces_once_per_step_as_ddp(ranks, package):
+    """toggle_model(sync_grad=False) keeps the first backward local: one reduction per step, as DDP."""
+    for result in _results(ranks, package):
+        scenario = result["manual_accumulate"]
+        assert scenario["overlap_ddp"]["wrappers"] == {"OverlapDDP"}
+        assert scenario["ddp"]["reductions"] == 3, scenario["ddp"]["reductions"]  # one bucket, three steps
+        assert scenario["overlap_ddp"]["reductions"] == scenario["ddp"]["reductions"]
+        _assert_bit_equal(scenario, batches=3)
 
 
 def test_fabric_by_name_no_backward_sync_save_and_load_are_bit_equal_to_ddp(ranks):

@@ -39,9 +39,33 @@ class Net(nn.Module):
         return self.last(torch.relu(self.frozen(self.norm(self.first(x)))))
 
 
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+class Tagger(nn.Module):
+    """Integer and bool inputs next to a floating one, as a token model takes them: indices into an
+    ``nn.Embedding`` (int64), a padding mask (bool), per-token weights (floating). Only the floating
+    input may be cast to ``param_dtype``; ``seen`` records the dtypes each forward received."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(10, 8)
+        self.last = nn.Linear(8, 3)
+        self.seen: set[str] = set()
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        self.seen |= {f"{name}:{t.dtype}" for name, t in (("ids", ids), ("mask", mask), ("weights", weights))}
+        h = self.emb(ids).masked_fill(~mask.unsqueeze(-1), 0) * weights.unsqueeze(-1)
+        return self.last(h).mean(dim=1)
+
+
+NETS = {"net": Net, "tagger": Tagger}
+
+
+def _batch(rank: int, step: int, net: str = "net") -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     g = torch.Generator().manual_seed(7 * step + rank)
-    return torch.randn(6, 12, generator=g) * (1 + rank), torch.randn(6, 3, generator=g)
+    if net == "tagger":
+        ids = torch.randint(0, 10, (6, 5), generator=g)
+        return (ids, ids % 3 != 0, torch.rand(6, 5, generator=g) + rank), torch.randn(6, 3, generator=g)
+    return (torch.randn(6, 12, generator=g) * (1 + rank),), torch.randn(6, 3, generator=g)
 
 
 def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -51,14 +75,14 @@ def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 class HandWritten:
     """The reference: DDP's mixed-precision casts, spelled out."""
 
-    def __init__(self, config: _MixedPrecision) -> None:
-        self.net = Net()
+    def __init__(self, config: _MixedPrecision, net: str = "net") -> None:
+        self.net = NETS[net]()
         self.config = config
         self.reduce_dtype = config.reduce_dtype or config.param_dtype
         for buffer in self.net.buffers():
             buffer.data = buffer.to(config.buffer_dtype)
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, sync_buffers: bool) -> None:
+    def forward_backward(self, inputs: tuple[torch.Tensor, ...], y: torch.Tensor, sync_buffers: bool) -> None:
         """``sync_buffers``: DDP broadcasts buffers unless the previous forward ran under no_sync."""
         for buffer in self.net.buffers() if sync_buffers else ():
             dist.broadcast(buffer, 0)
@@ -68,7 +92,8 @@ class HandWritten:
             if p.grad is not None:
                 p.grad.data = p.grad.to(self.config.param_dtype)
             p.data = p.full.to(self.config.param_dtype)
-        _loss(self.net(x.to(self.config.param_dtype)), y).backward()
+        cast = [x.to(self.config.param_dtype) if x.is_floating_point() else x for x in inputs]
+        _loss(self.net(*cast), y).backward()
 
     def reduce(self, layout: list[list[int]]) -> None:
         trainable = [p for p in self.net.parameters() if p.requires_grad]
@@ -116,6 +141,8 @@ CONFIGS = {
     "bf16 params, fp32 reduce, bf16 buffers": (_MixedPrecision(torch.bfloat16, torch.float32, torch.bfloat16), {}),
     "fp16 params and reduce, no_sync, grads kept": (_MixedPrecision(torch.float16, None, torch.float16),
                                                     {"accumulate": 2, "set_to_none": False}),
+    "bf16 params, int64 and bool inputs": (_MixedPrecision(torch.bfloat16, torch.float32, torch.bfloat16),
+                                           {"net": "tagger"}),
     "planted bug": (_MixedPrecision(torch.bfloat16, torch.float32, torch.bfloat16), {"fault": _reduce_in_param_dtype}),
 }
 
@@ -123,17 +150,18 @@ CONFIGS = {
 def _scenario(rank: int, name: str) -> dict[str, object]:
     config, options = CONFIGS[name]
     accumulate, set_to_none = options.get("accumulate", 1), options.get("set_to_none", True)
-    reference = HandWritten(config)
+    net = options.get("net", "net")
+    reference = HandWritten(config, net)
     with (options["fault"] if "fault" in options else nullcontext)():
-        candidate = OverlapDDP(Net(), mixed_precision=config)
+        candidate = OverlapDDP(NETS[net](), mixed_precision=config)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (reference.net, candidate.module)]
     per_step = []
     dtypes = set()
     for step in range(STEPS):
         for micro in range(accumulate):
-            x, y = _batch(rank, step * accumulate + micro)
+            x, y = _batch(rank, step * accumulate + micro, net)
             with candidate.no_sync() if micro < accumulate - 1 else nullcontext():
-                _loss(candidate(x), y).backward()
+                _loss(candidate(*x), y).backward()
             reference.forward_backward(x, y, sync_buffers=micro == 0)
         reference.reduce(candidate.bucket_indices())
         differences = _differences(reference.net, candidate.module)
@@ -143,9 +171,11 @@ def _scenario(rank: int, name: str) -> dict[str, object]:
             opt.zero_grad(set_to_none=set_to_none)
         per_step.append(differences + _differences(reference.net, candidate.module))
     with torch.no_grad():
-        candidate(_batch(rank, 99)[0])
-    return {"per_step": per_step, "dtypes": sorted(dtypes), "after_no_grad_forward": str(candidate.module.first.weight.dtype),
-            "buffers": sorted({str(b.dtype) for b in candidate.buffers()})}
+        candidate(*_batch(rank, 99, net)[0])
+    return {"per_step": per_step, "dtypes": sorted(dtypes),
+            "after_no_grad_forward": str(next(candidate.module.parameters()).dtype),
+            "buffers": sorted({str(b.dtype) for b in candidate.buffers()}),
+            "inputs_seen": sorted(getattr(candidate.module, "seen", ()))}
 
 
 def _all(rank: int, world_size: int) -> dict[str, object]:
@@ -172,6 +202,14 @@ def test_bit_equal_to_the_hand_written_casts_every_step(results, name):
         assert outcome["dtypes"] == ["torch.float32"]
         assert outcome["after_no_grad_forward"] == "torch.float32"
     assert results[0]["bf16 params, fp32 reduce, bf16 buffers"]["buffers"] == ["torch.bfloat16"]
+
+
+def test_integer_and_bool_inputs_keep_their_dtype(results):
+    """Only floating inputs are cast to param_dtype, as in DDP: int64 indices reach the embedding and
+    the bool mask stays bool (cast, the embedding raises and masked_fill refuses the mask)."""
+    for per_rank in results:
+        seen = per_rank["bf16 params, int64 and bool inputs"]["inputs_seen"]
+        assert seen == ["ids:torch.int64", "mask:torch.bool", "weights:torch.bfloat16"], seen
 
 
 def test_reducing_in_param_dtype_fails_the_comparison(results):

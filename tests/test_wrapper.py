@@ -64,6 +64,16 @@ def _contract_checks(rank: int, world_size: int) -> dict[str, object]:
     facts["params_synced"] = all(torch.equal(gathered[0], g) for g in gathered)
     facts["buffer_after_init"] = net[1].running_mean[0].item()
 
+    # A frozen layer initialised differently on each rank: DDP broadcasts every parameter it does not
+    # ignore, whether it requires grad or not, so rank 0's values reach every rank.
+    for wrapper in (OverlapDDP, DistributedDataParallel):
+        torch.manual_seed(rank)
+        frozen = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).requires_grad_(False))
+        wrapper(frozen)
+        gathered = [torch.empty(4, 4) for _ in range(world_size)]
+        torch.distributed.all_gather(gathered, frozen[1].weight.detach().clone())
+        facts[f"frozen_synced/{wrapper.__name__}"] = all(torch.equal(gathered[0], g) for g in gathered)
+
     torch.manual_seed(rank)
     kept = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     kept[1].running_mean.fill_(float(rank))
@@ -131,6 +141,12 @@ def test_init_sync_broadcasts_rank0_parameters_and_buffers():
     for rank, facts in enumerate(contract_facts()):
         assert facts["params_synced"], rank
         assert facts["buffer_after_init"] == 0.0, rank
+
+
+def test_init_sync_broadcasts_frozen_parameters_as_ddp_does():
+    for rank, facts in enumerate(contract_facts()):
+        assert facts["frozen_synced/DistributedDataParallel"], rank
+        assert facts["frozen_synced/OverlapDDP"], f"rank {rank}: a frozen layer kept its own initial values"
 
 
 def test_forward_sync_buffers_false_still_broadcasts_buffers_at_init_as_ddp_does():

@@ -46,6 +46,10 @@ LOOPS = "tests/test_loops.py::test_gan_steps_and_reentrant_checkpoints_match_ddp
 JOIN_WS2 = "tests/test_join.py::test_join_with_uneven_inputs_is_bit_equal_to_ddp_every_step_and_after[2]"
 STEM_FIRST = "tests/test_compile.py::test_every_bucket_but_the_stems_launches_in_the_first_half_of_a_compiled_backward"
 HOOK_VALUES = "tests/test_comm_hooks.py::test_hook_parameters_and_buffers_equal_ddp_after_every_step"
+HOOK_ORDER = ("tests/test_option_pairs.py::"
+              "test_collectives_started_between_a_hooks_callbacks_keep_one_order_on_every_rank")
+USER_INPUTS = "tests/test_user_inputs.py::test_user_inputs_and_outputs_are_bit_equal_to_ddp_in_every_mode"
+TOKENS_EXACT = "tests/test_token_weighting.py::test_token_weighting_is_bit_equal_to_ddp_dividing_by_the_global_count_every_step"
 
 
 @dataclass(frozen=True)
@@ -319,6 +323,103 @@ MUTATIONS = (
         '        hidden = hidden or getattr(node, "_forward_cls", None) is CheckpointFunction\n',
         "",
         (f"{LOOPS}[2]",),
+    ),
+    Mutation(
+        "progress_waiting_unrecorded",
+        "a rank writes its 'waiting for bucket' record only when the collective is already done",
+        "overlapddp/progress.py",
+        "        if self._store is None or future.done():\n            return\n",
+        "        if self._store is None or not future.done():\n            return\n",
+        ("tests/test_desync.py::test_a_rank_really_waiting_for_a_bucket_says_so_in_its_record",),
+    ),
+    Mutation(
+        "init_sync_skips_frozen_parameters",
+        "the init-time broadcast covers only parameters that require grad: a frozen layer stays per rank",
+        "overlapddp/construction.py",
+        "synchronized=[p for _, p in named],",
+        "synchronized=[p for _, p in trainable],",
+        ("tests/test_wrapper.py::test_init_sync_broadcasts_frozen_parameters_as_ddp_does",),
+    ),
+    Mutation(
+        "mixed_precision_casts_integer_inputs",
+        "mixed precision casts integer and bool inputs to param_dtype too (embedding indices, masks)",
+        "overlapddp/mixed_precision.py",
+        "if self.param_dtype is None or not tensor.is_floating_point() or tensor.dtype == self.param_dtype:",
+        "if self.param_dtype is None or tensor.dtype == self.param_dtype:",
+        ("tests/test_mixed_precision.py::test_integer_and_bool_inputs_keep_their_dtype[2]",),
+    ),
+    Mutation(
+        "token_count_not_reset",
+        "count_tokens: the local count is not reset after its all-reduce (later steps divide by a growing total)",
+        "overlapddp/token_weighting.py",
+        "                self._copied.record(self._stream)\n        self.local = 0\n",
+        "                self._copied.record(self._stream)\n",
+        (f"{TOKENS_EXACT}[2]",),
+    ),
+    Mutation(
+        "token_weighting_divides_twice_when_batched",
+        "count_tokens with batched_grad_copy: each bucket is multiplied by 1/N while copied and divided by N",
+        "overlapddp/bucket_reduction.py",
+        "            self._scale = None if batched else 1.0 / self._divide_by\n",
+        "            self._scale = 1.0 / self._divide_by\n",
+        (f"{TOKENS_EXACT}[2]",),
+    ),
+    Mutation(
+        "lightning_manual_arms_under_toggle_model",
+        "Lightning manual optimization arms the reduction even under toggle_model(sync_grad=False)",
+        "overlapddp/integrations/trainer_strategy.py",
+        "        if torch.is_grad_enabled() and model.require_backward_grad_sync:\n",
+        "        if torch.is_grad_enabled():\n",
+        ("tests/test_frameworks.py::test_lightning_manual_accumulation_under_toggle_model_reduces_once_per_step_as_ddp"
+         "[lightning]",),
+    ),
+    Mutation(
+        "find_unused_starts_in_one_bucket",
+        "find_unused_parameters=True starts in one bucket as static_graph does (DDP: cap-sized, never rebuilt)",
+        "overlapddp/bucket_plan.py",
+        "        if not searches_unused_each_forward:\n            return [sys.maxsize]\n",
+        "        return [sys.maxsize]\n",
+        (f"{LOOPS}[3]",),
+    ),
+    Mutation(
+        "static_graph_unused_prepended",
+        "static_graph: the parameters that never fired go first in the rebuilt ready order (DDP appends them)",
+        "overlapddp/layout_lifecycle.py",
+        "            self._ready_order += list(unused)\n",
+        "            self._ready_order = list(unused) + self._ready_order\n",
+        (f"{LOOPS}[2]",),
+    ),
+    Mutation(
+        "undefined_gradient_counted_as_used",
+        "a hook that fires with an undefined gradient (an output the loss never reached) counts as a use",
+        "overlapddp/reducer.py",
+        "        used = self.params[index].grad is not None\n",
+        "        used = True\n",
+        (f"{USER_INPUTS}[2]",),
+    ),
+    Mutation(
+        "outputs_not_routed_for_unused_search",
+        "find_unused_parameters: outputs the loss never reaches leave their parameters' buckets incomplete",
+        "overlapddp/wrapper.py",
+        "                output = _end_of_backward_trigger(output, None)\n",
+        "                pass\n",
+        (f"{USER_INPUTS}[2]",),
+    ),
+    Mutation(
+        "delayed_launch_amid_hook_chains",
+        "the delayed all-reduce starts at its hook parameter's gradient even while PowerSGD chains issue collectives",
+        "overlapddp/reducer.py",
+        "        chained = self._shared.reduction.issues_from_callbacks\n",
+        "        chained = False\n",
+        (HOOK_ORDER,),
+    ),
+    Mutation(
+        "usage_reduction_amid_hook_chains",
+        "find_unused_parameters: the usage flags' all-reduce starts with the last bucket amid PowerSGD's chains",
+        "overlapddp/reducer.py",
+        "                if not self._shared.reduction.issues_from_callbacks:  # else finalize launches it\n",
+        "                if True:\n",
+        (HOOK_ORDER,),
     ),
 )
 
