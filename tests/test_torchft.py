@@ -9,8 +9,10 @@ parameters at the end must equal, bit for bit, those of torchft's own DDP run th
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,7 @@ class Outcome:
     logs: dict[int, list[dict[str, Any]]]
     states: dict[int, dict[str, Any]]
     exits: dict[str, int | None]
+    lighthouse_status: str  # ours' lighthouse dashboard once the finishers were done, the hung replica alive
 
 
 def run_plan(plan: replicas.Plan) -> Outcome:
@@ -72,6 +75,7 @@ def run_plan(plan: replicas.Plan) -> Outcome:
                     break
                 time.sleep(0.1)
             exits = {key: proc.exitcode for key, proc in procs.items()}
+            status = urllib.request.urlopen(addresses["ours"] + "/status", timeout=10).read().decode()
         finally:
             for proc in procs.values():
                 if proc.is_alive():
@@ -82,8 +86,9 @@ def run_plan(plan: replicas.Plan) -> Outcome:
         out = Path(scratch)
         logs = {r: json.loads((out / f"log_{r}.json").read_text())
                 for r in range(plan.replicas) if (out / f"log_{r}.json").exists()}
-        states = {r: torch.load(out / f"state_{r}.pt") for r in range(plan.replicas) if (out / f"state_{r}.pt").exists()}
-    return Outcome(logs, states, exits)
+        states = {r: torch.load(out / f"state_{r}.pt")
+                  for r in range(plan.replicas) if (out / f"state_{r}.pt").exists()}
+    return Outcome(logs, states, exits, status)
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +107,14 @@ def test_survivors_and_the_restarted_replica_finish(outcome: Outcome) -> None:
     assert outcome.exits["2"] == -9, outcome.exits
     assert outcome.exits["0"] == 0 and outcome.exits["2+"] == 0, (outcome.exits, outcome.logs)
     assert sorted(outcome.states) == _finishers(PLAN), outcome.exits
+
+
+def test_the_hung_replica_is_named_and_out_of_the_quorum(outcome: Outcome) -> None:
+    # The lighthouse's dashboard names the last quorum's members, then every heartbeating replica:
+    # replica 1 still heartbeats (its process hangs) but is no longer in the quorum.
+    members, heartbeats = outcome.lighthouse_status.split("<h2>Heartbeats</h2>")
+    assert "<b>replica_0:" in members and "<b>replica_2:" in members, members
+    assert "replica_1:" not in members and "replica_1:" in heartbeats, outcome.lighthouse_status
 
 
 def _expected_participants(step: int) -> int:
@@ -140,5 +153,130 @@ def test_parameters_equal_torchfts_ddp_through_the_same_faults(outcome: Outcome)
                 assert torch.equal(value, reference[name]), (r, variant, name)
         for name, value in state["ours"]["b"].items():  # model B: no reference (torchft's never rebuilds)
             assert torch.equal(value, outcome.states[0]["ours"]["b"][name]), (r, name)
-    moved = any(not torch.equal(v, p) for v, p in zip(reference.values(), replicas.model_a().parameters()))
+    moved = any(not torch.equal(v, p) for v, p in zip(reference.values(), replicas.model_a().parameters(), strict=True))
     assert moved, "the reference run did not train"
+
+
+# -- in this process: one replica group, its own lighthouse ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lone_replica():
+    """Managers of one-replica jobs in this process, each with its own lighthouse and store."""
+    import torch.distributed as dist
+    from torchft import Manager, ProcessGroupGloo
+
+    started: list[Any] = []
+
+    def manager(pg: Any = None) -> Any:
+        lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100)
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        made = Manager(
+            pg=pg if pg is not None else ProcessGroupGloo(timeout=timedelta(seconds=10)), min_replica_size=1,
+            load_state_dict=None, state_dict=None, use_async_quorum=False, init_sync=False, replica_id="lone",
+            store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1,
+            lighthouse_addr=lighthouse.address(), hostname="127.0.0.1", timeout=timedelta(seconds=10),
+        )
+        started.append((made, lighthouse, store))
+        return made
+
+    yield manager
+    for made, lighthouse, _ in started:
+        made.shutdown(wait=False)
+        lighthouse.shutdown()
+
+
+def _train_steps(manager: Any, model: Any, steps: int) -> None:
+    for _ in range(steps):
+        manager.start_quorum()
+        model.zero_grad()
+        inputs, target = replicas.batch(0, manager.current_step())
+        torch.nn.functional.mse_loss(model(inputs), target).backward()
+        assert manager.should_commit()
+
+
+def test_buckets_reduce_while_backward_goes_on_and_torchfts_ddp_waits(lone_replica) -> None:
+    """With every all-reduce held back 0.3 s, ours launches all buckets of a backward before the first
+    completes; torchft's DDP waits for each bucket in its hook, so each launch follows a completion."""
+    from torchft import DistributedDataParallel as TorchftDDP
+
+    from benchmarks.slow_group import SlowProcessGroupGloo
+    from overlapddp.integrations.torchft import DistributedDataParallel
+
+    def order(wrapper: Any) -> list[str]:
+        pg = SlowProcessGroupGloo(delay_s=0.3, timeout=timedelta(seconds=10))
+        manager = lone_replica(pg)
+        model = wrapper(manager, replicas.model_b(), **replicas.B_KWARGS)
+        _train_steps(manager, model, 1)  # ours rebuilds its layout after this one: two buckets
+        pg.events.clear()
+        _train_steps(manager, model, 1)
+        return [tag for tag, _ in sorted(pg.events, key=lambda e: e[1])]
+
+    ours = order(DistributedDataParallel)
+    assert ours == ["launch", "launch", "done", "done"], ours
+    theirs = order(TorchftDDP)
+    assert theirs == ["launch", "done"] * (len(theirs) // 2) and len(theirs) >= 4, theirs
+
+
+def test_fp16_compression_goes_through_the_manager(lone_replica) -> None:
+    """torch's fp16_compress_hook, registered on ours, sends each bucket in float16 through the
+    manager: with one participant every gradient is its local value rounded to float16."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from overlapddp.integrations.torchft import DistributedDataParallel
+
+    manager = lone_replica()
+    model = DistributedDataParallel(manager, replicas.model_b(), **replicas.B_KWARGS)
+    model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    plain = replicas.model_b()
+    for step in range(2):
+        _train_steps(manager, model, 1)
+        plain.zero_grad()
+        inputs, target = replicas.batch(0, step)
+        torch.nn.functional.mse_loss(plain(inputs), target).backward()
+        for (name, ours), local in zip(model.module.named_parameters(), plain.parameters(), strict=True):
+            assert torch.equal(ours.grad, local.grad.half().float()), (step, name)
+    with pytest.raises(RuntimeError, match="before the first backward"):
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+
+
+def test_options_that_cannot_go_through_the_manager_are_refused_by_name(lone_replica) -> None:
+    import copy
+
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    from torch.distributed.fsdp import MixedPrecision
+
+    from overlapddp.integrations.torchft import REFUSED, DistributedDataParallel
+
+    manager = lone_replica()
+    net = replicas.model_b()
+    refused = {
+        "mixed_precision": MixedPrecision(param_dtype=torch.bfloat16),
+        "delay_all_reduce_named_params": list(net.named_parameters())[:1],
+        "bucket_plan": "tuned",
+        "device_mesh": object(),
+    }
+    assert set(refused) | {"process_group", "param_to_hook_all_reduce"} == set(REFUSED)
+    for name, value in refused.items():
+        with pytest.raises(ValueError, match=f"torchft: {name}(='tuned')? is not supported: {REFUSED[name][:30]}"):
+            DistributedDataParallel(manager, net, **{name: value})
+    with pytest.raises(TypeError, match="manager must be a torchft.Manager, got Sequential"):
+        DistributedDataParallel(net, net)
+    with pytest.raises(TypeError, match="'bucket_cap' is not an argument of DistributedDataParallel"):
+        DistributedDataParallel(manager, net, bucket_cap=1)
+    sparse = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True))
+    with pytest.raises(ValueError, match=r"sparse gradients \(0 have sparse=True\)"):
+        DistributedDataParallel(manager, sparse)
+
+    model = DistributedDataParallel(manager, net, bucket_state_key="refusals")
+    state = powerSGD_hook.PowerSGDState(process_group=None)
+    with pytest.raises(ValueError, match="powerSGD_hook cannot be registered: its collectives would go to a process"):
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    with pytest.raises(ValueError, match=r"attach_optimizer\(overlap=True\) is not supported: each bucket's update"):
+        model.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), overlap=True)
+    with pytest.raises(ValueError, match=r"join\(\) is not supported"):
+        model.join()
+    with pytest.raises(ValueError, match="count_tokens is not supported"):
+        model.count_tokens(3)
+    with pytest.raises(ValueError, match="pickling or copy.deepcopy is not supported"):
+        copy.deepcopy(model)

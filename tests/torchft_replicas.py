@@ -49,7 +49,6 @@ class Plan:
     replicas: int
     faults: dict[int, tuple[int, str]] = field(default_factory=dict)
     rejoin: int | None = None  # the step at which a killed replica, restarted, rejoins
-    carry_bucket_state: bool = True  # False: a planted bug, the layout not in the transferred state
     check_commit: bool = True  # False: a planted bug, the step applied whatever should_commit says
 
     def to_json(self) -> str:
@@ -117,13 +116,6 @@ class Variant:
 
             self.models["a"] = TorchftDDP(self.manager, model_a(), **A_KWARGS)
             self.optimizers["a"] = torch.optim.SGD(self.models["a"].parameters(), lr=LR)
-        if not plan.carry_bucket_state:
-            self._forget_bucket_state()
-
-    def _forget_bucket_state(self) -> None:
-        """The planted bug: the bucket layouts are transferred but not loaded."""
-        for key, model in self.models.items():
-            model.load_bucket_state = lambda state: None  # type: ignore[method-assign]
 
     def _save(self) -> dict[str, Any]:
         return {k: (m.module.state_dict(), self.optimizers[k].state_dict()) for k, m in self.models.items()}
@@ -148,7 +140,9 @@ class Variant:
         if committed or not self.plan.check_commit:
             for optimizer in self.optimizers.values():
                 optimizer.step()
-        log.append({"variant": self.name, "step": step, "participants": participants, "committed": bool(committed)})
+        error = self.manager.errored()
+        log.append({"variant": self.name, "step": step, "participants": participants, "committed": bool(committed),
+                    "error": None if error is None else str(error.original_exception)})
         return bool(committed)
 
     def final_state(self) -> dict[str, dict[str, torch.Tensor]]:

@@ -31,7 +31,8 @@ from __future__ import annotations
 import inspect
 import queue
 import threading
-from typing import Any, NoReturn
+import weakref
+from typing import Any, NoReturn, cast
 
 import torch
 import torch.distributed as dist
@@ -63,7 +64,10 @@ REFUSED = {
         "layouts; only the default 'ddp' is accepted"
     ),
 }
-_COMPRESSION = {default_hooks.fp16_compress_hook: torch.float16, default_hooks.bf16_compress_hook: torch.bfloat16}
+_COMPRESSION: dict[object, torch.dtype] = {
+    default_hooks.fp16_compress_hook: torch.float16,
+    default_hooks.bf16_compress_hook: torch.bfloat16,
+}
 _WRAPPER_ARGUMENTS = frozenset(inspect.signature(OverlapDDP.__init__).parameters) - {"self", "module"}
 
 
@@ -77,11 +81,12 @@ class ManagerReduction:
         self.started = False  # set by the first bucket's hook; the dtype is fixed from then on
         # (work, bucket buffer, sent tensor, future): put by the hook (autograd's thread), taken by
         # _complete_in_order, which sets the future that OverlapDDP's fence waits on.
-        self._launched: queue.SimpleQueue[tuple[Any, torch.Tensor, torch.Tensor, torch.futures.Future]] = (
+        self._launched: queue.SimpleQueue[tuple[Any, torch.Tensor, torch.Tensor, torch.futures.Future] | None] = (
             queue.SimpleQueue()
         )
         threading.Thread(target=_complete_in_order, args=(self._launched,), daemon=True,
                          name="overlapddp-torchft-completion").start()
+        weakref.finalize(self, self._launched.put, None)  # the thread ends with this state
 
     def launch(self, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
         self.started = True
@@ -103,8 +108,8 @@ def _complete_in_order(launched: queue.SimpleQueue) -> None:
     future is still set (to the bucket, whose contents no replica will apply: should_commit() is
     False), so backward ends and the step is skipped instead of raising in the training loop.
     """
-    while True:
-        work, buffer, sent, future = launched.get()
+    while (item := launched.get()) is not None:
+        work, buffer, sent, future = item
         try:
             work.wait()
             if sent is not buffer:
@@ -139,7 +144,7 @@ class DistributedDataParallel(OverlapDDP):
         super().__init__(module, process_group=_replica_local_group(), **ddp_kwargs)
         self.manager = manager
         self._manager_reduction = ManagerReduction(manager)
-        super().register_comm_hook(self._manager_reduction, manager_allreduce_hook)
+        super().register_comm_hook(self._manager_reduction, cast(CommHook, manager_allreduce_hook))
         manager.register_state_dict_fn(bucket_state_key, self.load_bucket_state, self.bucket_state)
 
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
@@ -208,7 +213,7 @@ def _check_arguments(manager: object, module: object, ddp_kwargs: dict[str, Any]
     for name, why in REFUSED.items():
         given = ddp_kwargs.get(name)
         if given is not None and not (name == "bucket_plan" and given == "ddp"):
-            _refuse(f"{name}={given!r}", why)
+            _refuse(f"{name}={given!r}" if isinstance(given, str) else name, why)
     sparse = [name for name, m in module.named_modules() if getattr(m, "sparse", False) is True]
     if sparse:
         _refuse(f"sparse gradients ({', '.join(sparse)} have sparse=True)",
