@@ -26,7 +26,7 @@ pytest.importorskip("torchft")
 from torchft._torchft import LighthouseServer  # noqa: E402
 
 from tests import torchft_replicas as replicas  # noqa: E402
-from tests.multiprocess import scaled_timeout  # noqa: E402
+from tests.multiprocess import run_ranks, scaled_timeout  # noqa: E402
 
 KILL, REJOIN, HANG = 2, 4, 6
 PLAN = replicas.Plan(replicas=3, faults={KILL: (2, "kill"), HANG: (1, "hang")}, rejoin=REJOIN)
@@ -157,33 +157,45 @@ def test_parameters_equal_torchfts_ddp_through_the_same_faults(outcome: Outcome)
     assert moved, "the reference run did not train"
 
 
-# -- in this process: one replica group, its own lighthouse ------------------------------------
+# -- one replica group: every check in one spawned process -------------------------------------
 
 
-@pytest.fixture(scope="module")
-def lone_replica():
-    """Managers of one-replica jobs in this process, each with its own lighthouse and store."""
+def _lone_replica_checks(rank: int, world_size: int) -> dict[str, str | None]:
+    """Run each check below with managers of one-replica jobs, each with its own lighthouse and store;
+    return each check's traceback, or None. (A process of its own: the wrappers' one-rank group,
+    the managers' and the gloo groups' threads end with it.)"""
+    import traceback
+
     import torch.distributed as dist
     from torchft import Manager, ProcessGroupGloo
 
-    started: list[Any] = []
+    started: list[Any] = []  # held until the process ends
 
-    def manager(pg: Any = None) -> Any:
+    def manager(pg: Any = None, use_async_quorum: bool = False) -> Any:
         lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100)
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        pg = pg if pg is not None else ProcessGroupGloo(timeout=timedelta(seconds=10))
         made = Manager(
-            pg=pg if pg is not None else ProcessGroupGloo(timeout=timedelta(seconds=10)), min_replica_size=1,
-            load_state_dict=None, state_dict=None, use_async_quorum=False, init_sync=False, replica_id="lone",
-            store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1,
-            lighthouse_addr=lighthouse.address(), hostname="127.0.0.1", timeout=timedelta(seconds=10),
+            pg=pg, min_replica_size=1, load_state_dict=None, state_dict=None, use_async_quorum=use_async_quorum,
+            init_sync=False, replica_id="lone", store_addr="127.0.0.1", store_port=store.port, rank=0,
+            world_size=1, lighthouse_addr=lighthouse.address(), hostname="127.0.0.1", timeout=timedelta(seconds=10),
         )
-        started.append((made, lighthouse, store))
+        started.append((made, pg, lighthouse, store))
         return made
 
-    yield manager
-    for made, lighthouse, _ in started:
-        made.shutdown(wait=False)
-        lighthouse.shutdown()
+    results: dict[str, str | None] = {}
+    for check in (_overlap_check, _compression_check, _refusal_check):
+        try:
+            check(manager)
+            results[check.__name__] = None
+        except BaseException:
+            results[check.__name__] = traceback.format_exc()
+    return results
+
+
+@pytest.fixture(scope="module")
+def lone_checks() -> dict[str, str | None]:
+    return run_ranks(1, _lone_replica_checks, timeout_s=240)[0]
 
 
 def _train_steps(manager: Any, model: Any, steps: int) -> None:
@@ -195,7 +207,19 @@ def _train_steps(manager: Any, model: Any, steps: int) -> None:
         assert manager.should_commit()
 
 
-def test_buckets_reduce_while_backward_goes_on_and_torchfts_ddp_waits(lone_replica) -> None:
+def test_buckets_reduce_while_backward_goes_on_and_torchfts_ddp_waits(lone_checks) -> None:
+    assert lone_checks["_overlap_check"] is None, lone_checks["_overlap_check"]
+
+
+def test_fp16_compression_goes_through_the_manager(lone_checks) -> None:
+    assert lone_checks["_compression_check"] is None, lone_checks["_compression_check"]
+
+
+def test_options_that_cannot_go_through_the_manager_are_refused_by_name(lone_checks) -> None:
+    assert lone_checks["_refusal_check"] is None, lone_checks["_refusal_check"]
+
+
+def _overlap_check(lone_replica: Any) -> None:
     """With every all-reduce held back 0.3 s, ours launches all buckets of a backward before the first
     completes; torchft's DDP waits for each bucket in its hook, so each launch follows a completion."""
     from torchft import DistributedDataParallel as TorchftDDP
@@ -218,7 +242,7 @@ def test_buckets_reduce_while_backward_goes_on_and_torchfts_ddp_waits(lone_repli
     assert theirs == ["launch", "done"] * (len(theirs) // 2) and len(theirs) >= 4, theirs
 
 
-def test_fp16_compression_goes_through_the_manager(lone_replica) -> None:
+def _compression_check(lone_replica: Any) -> None:
     """torch's fp16_compress_hook, registered on ours, sends each bucket in float16 through the
     manager: with one participant every gradient is its local value rounded to float16."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -240,7 +264,8 @@ def test_fp16_compression_goes_through_the_manager(lone_replica) -> None:
         model.register_comm_hook(None, default_hooks.bf16_compress_hook)
 
 
-def test_options_that_cannot_go_through_the_manager_are_refused_by_name(lone_replica) -> None:
+def _refusal_check(lone_replica: Any) -> None:
+    """Each refused option raises, naming itself and why."""
     import copy
 
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
@@ -264,6 +289,8 @@ def test_options_that_cannot_go_through_the_manager_are_refused_by_name(lone_rep
         DistributedDataParallel(net, net)
     with pytest.raises(TypeError, match="'bucket_cap' is not an argument of DistributedDataParallel"):
         DistributedDataParallel(manager, net, bucket_cap=1)
+    with pytest.raises(ValueError, match="use_async_quorum=True is not supported: a recovering replica applies"):
+        DistributedDataParallel(lone_replica(use_async_quorum=True), net)
     sparse = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True))
     with pytest.raises(ValueError, match=r"sparse gradients \(0 have sparse=True\)"):
         DistributedDataParallel(manager, sparse)

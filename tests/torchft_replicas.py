@@ -2,8 +2,9 @@
 
 Each replica process trains two variants side by side, each on its own lighthouse and manager:
 ``ours`` (overlapddp's torchft wrapper: model A, whose rebuilt bucket layout equals its initial one,
-and model B, whose rebuilt layout differs) and ``ref`` (torchft's own DDP on model A). One round runs
-one committed step of ``ours``, then one of ``ref``; a fault planned for ``ours`` at a step hits the
+and model B, whose rebuilt layout differs) and ``ref`` (torchft's own DDP on model A). Each step is two
+micro-batches, the first under ``no_sync()``. One round runs one committed step of ``ours``, then
+one of ``ref``; a fault planned for ``ours`` at a step hits the
 replica in that step's backward, after its first buckets were launched:
 
 - ``kill``: the replica SIGKILLs itself (the parent restarts it, see ``restart``);
@@ -132,9 +133,11 @@ class Variant:
         step = self.manager.current_step()
         inputs, target = batch(self.replica, step)
         for key, model in self.models.items():
+            with model.no_sync():  # two micro-batches: the first accumulated locally
+                nn.functional.mse_loss(model(inputs[:8]), target[:8]).backward()
             if fault is not None and key == "a":
                 _plant_fault(model.module, fault)
-            nn.functional.mse_loss(model(inputs), target).backward()
+            nn.functional.mse_loss(model(inputs[8:]), target[8:]).backward()
         participants = self.manager.num_participants()
         committed = self.manager.should_commit()
         if committed or not self.plan.check_commit:

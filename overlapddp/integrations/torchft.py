@@ -204,6 +204,11 @@ def _check_arguments(manager: object, module: object, ddp_kwargs: dict[str, Any]
         )
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}.")
+    # Manager has no public getter for it; a manager without the attribute is not checked.
+    if getattr(manager, "_use_async_quorum", False):
+        _refuse("a Manager with use_async_quorum=True", "a recovering replica applies its peers' state, the bucket "
+                "layout included, only in should_commit(), after its first backward, which would run with another "
+                "layout than its peers' (gloo then fails or aborts); pass use_async_quorum=False to the Manager")
     unknown = sorted(set(ddp_kwargs) - _WRAPPER_ARGUMENTS)
     if unknown:
         raise TypeError(
