@@ -307,3 +307,10 @@ def _refusal_check(lone_replica: Any) -> None:
         model.count_tokens(3)
     with pytest.raises(ValueError, match="pickling or copy.deepcopy is not supported"):
         copy.deepcopy(model)
+
+
+def test_the_docs_show_the_one_line_usage() -> None:
+    usage = "from overlapddp.integrations.torchft import DistributedDataParallel"
+    root = Path(__file__).resolve().parent.parent
+    for page in (root / "README.md", root / "docs" / "frameworks.md"):
+        assert usage in page.read_text(), f"{page} no longer shows {usage}"
