@@ -22,6 +22,8 @@ writes its final parameters; the test compares them.
 from __future__ import annotations
 
 import json
+import re
+import urllib.request
 import os
 import signal
 import sys
@@ -92,7 +94,7 @@ class Variant:
     def __init__(self, name: str, replica: int, lighthouse: str, plan: Plan) -> None:
         from torchft import Manager, ProcessGroupGloo
 
-        self.name, self.replica, self.plan = name, replica, plan
+        self.name, self.replica, self.plan, self.lighthouse = name, replica, plan, lighthouse
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.models: dict[str, nn.Module] = {}
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
@@ -211,7 +213,7 @@ def _one_committed_step(variant: Variant, replica: int, plan: Plan, out: Path, r
         if step >= STEPS:
             return
         if plan.rejoin is not None and (restarted and step == 0 or not restarted and step == plan.rejoin):
-            _rejoin_barrier(variant.name, replica, plan, out, restarted)
+            _rejoin_barrier(variant, replica, plan, out, restarted)
         fault = None
         if variant.name == "ours" and attempt == 0 and not restarted:
             planned = plan.faults.get(step)
@@ -222,8 +224,10 @@ def _one_committed_step(variant: Variant, replica: int, plan: Plan, out: Path, r
                        f"{MAX_ATTEMPTS} times; log: {log}")
 
 
-def _rejoin_barrier(name: str, replica: int, plan: Plan, out: Path, restarted: bool) -> None:
-    """At step ``rejoin``: the restarted replica asks for its quorum first, then the others do."""
+def _rejoin_barrier(variant: Variant, replica: int, plan: Plan, out: Path, restarted: bool) -> None:
+    """At step ``rejoin``: the restarted replica asks for its quorum first, then the others do, once
+    the lighthouse has its request (so the quorum that forms when they join has all three)."""
+    name = variant.name
     others = [r for r in range(plan.replicas) if not _killed(plan, r)]
     if restarted:
         for r in others:
@@ -232,7 +236,18 @@ def _rejoin_barrier(name: str, replica: int, plan: Plan, out: Path, restarted: b
     else:
         (out / f"{name}_at_rejoin_{replica}").touch()
         _wait_for(out / f"{name}_rejoining", "the restarted replica")
-        time.sleep(0.5)  # its quorum request reaches the lighthouse before ours
+        deadline = time.monotonic() + 60
+        while _waiting_for_quorum(variant.lighthouse) < 1:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the restarted replica's quorum request did not reach {variant.lighthouse}")
+            time.sleep(0.05)
+
+
+def _waiting_for_quorum(lighthouse: str) -> int:
+    """How many replicas have asked the lighthouse for the next quorum (its dashboard's status line)."""
+    status = urllib.request.urlopen(f"{lighthouse}/status", timeout=10).read().decode()
+    found = re.search(r"have (\d+) participants", status)
+    return int(found.group(1)) if found else 0
 
 
 def _killed(plan: Plan, replica: int) -> bool:
