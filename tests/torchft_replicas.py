@@ -37,10 +37,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.multiprocess import scaled_timeout
+
 STEPS = 8
 LR = 0.05
-TIMEOUT_S = 5.0  # collectives, should_commit, checkpoint transfers: a hung replica is dropped after this
-JOIN_TIMEOUT_MS = 1500  # the lighthouse's wait for a heartbeating replica that does not join
+# Both stretched by OVERLAPDDP_TEST_TIMEOUT_SCALE (tests/multiprocess.py) on a slow machine.
+TIMEOUT_S = scaled_timeout(5.0)  # collectives, should_commit, checkpoint transfers: a hung replica fails a step
+JOIN_TIMEOUT_MS = int(scaled_timeout(3000))  # the lighthouse's wait for a heartbeating replica that does not join
 HEARTBEAT_TIMEOUT_MS = 1500  # a replica without heartbeats for this long is dead
 MAX_ATTEMPTS = 5  # of one step, before a replica gives up (a planted bug must fail, not loop)
 
@@ -246,7 +249,8 @@ def _rejoin_barrier(variant: Variant, replica: int, plan: Plan, out: Path, resta
 def _waiting_for_quorum(lighthouse: str) -> int:
     """How many replicas have asked the lighthouse for the next quorum (its dashboard's status line)."""
     status = urllib.request.urlopen(f"{lighthouse}/status", timeout=10).read().decode()
-    found = re.search(r"have (\d+) participants", status)
+    # "... only have 1 participants, need ..." or, once enough asked, "Valid quorum with 2 participants, ..."
+    found = re.search(r"(?:have|with) (\d+) participants", status)
     return int(found.group(1)) if found else 0
 
 
