@@ -9,11 +9,11 @@ parameters at the end must equal, bit for bit, those of torchft's own DDP run th
 from __future__ import annotations
 
 import json
-from datetime import timedelta
 import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
