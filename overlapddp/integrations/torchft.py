@@ -150,9 +150,10 @@ class DistributedDataParallel(OverlapDDP):
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Compression through the manager: torch's ``fp16_compress_hook`` and ``bf16_compress_hook``
         (``state`` is ignored: the manager is the group). Other hooks would reduce outside the manager."""
-        if hook is default_hooks.allreduce_hook:
+        known: object = hook
+        if known is default_hooks.allreduce_hook:
             return  # what the manager's all-reduce already does
-        wire_dtype = _COMPRESSION.get(hook)
+        wire_dtype = _COMPRESSION.get(known)
         if wire_dtype is None:
             name = getattr(hook, "__qualname__", repr(hook))
             raise ValueError(
