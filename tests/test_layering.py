@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "overlapddp"
 # overlapddp.integrations sits above every layer: only users import it, and only it imports a framework.
 INTEGRATIONS = PACKAGE / "integrations"
 SUBPACKAGES = {"tuning"}
-FRAMEWORKS = {"lightning", "pytorch_lightning", "accelerate", "transformers", "ray"}
+FRAMEWORKS = {"lightning", "pytorch_lightning", "accelerate", "transformers", "ray", "torchft"}
 
 # Lowest first; a module may import only from strictly lower layers.
 # A module of a subpackage is named with its package: ``tuning.clock``; ``tuning`` is its ``__init__``.

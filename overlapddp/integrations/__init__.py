@@ -8,6 +8,7 @@ installed), and nothing else in ``overlapddp`` imports them.
 - ``overlapddp.integrations.ray``: ``prepare_model``, Ray Train's with OverlapDDP.
 - ``overlapddp.integrations.accelerate``: ``use_overlapddp(accelerator)``.
 - ``overlapddp.integrations.transformers``: ``OverlapDDPTrainer``, a ``transformers.Trainer``.
+- ``overlapddp.integrations.torchft``: ``DistributedDataParallel(manager, module)``, over a torchft ``Manager``.
 
 ``trainer_strategy`` (the Trainer strategy's steps, shared by both Lightning packages)
 and ``fabric`` are their building blocks.

@@ -1,0 +1,176 @@
+"""Backward + communication time per step on torchft: torchft's own DDP against overlapddp's torchft wrapper.
+
+Launch (the script starts its lighthouses and replica processes itself; CPU, gloo):
+
+    python benchmarks/torchft_overlap.py --replicas 2 --delay-ms 20 --steps 10 --repeats 5
+
+Each replica process builds the same MLP twice, wraps one copy in ``torchft.DistributedDataParallel``
+and one in ``overlapddp.integrations.torchft.DistributedDataParallel``, each on its own lighthouse
+and ``Manager``, whose process group is ``benchmarks/slow_group.py``'s: every all-reduce completes
+``--delay-ms`` after it was issued. Fault-free. After ``--warmup`` steps of both, each repeat
+times ``--steps`` steps of one wrapper and then of the other, alternating which goes first. A
+step's time is from ``loss.backward()`` to its return, on the slowest replica: both wrappers have
+every bucket reduced and written to ``.grad`` by then (torchft's waits in each bucket's hook,
+ours at the end of backward). The quorum and ``should_commit`` are outside the timed span.
+
+Printed: per repeat, the median step time of each and their ratio (torchft's / ours), then the
+median ratio with its min and max over repeats, the bucket count, and whether the two models'
+parameters are bit-equal at the end (with 2 replicas each element's sum has one order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's overlapddp and benchmarks
+
+WIDTH, DEPTH, BATCH = 256, 8, 64
+
+
+def build_model() -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(32, WIDTH)]
+    for _ in range(DEPTH):
+        layers += [nn.Tanh(), nn.Linear(WIDTH, WIDTH)]
+    return nn.Sequential(*layers, nn.Tanh(), nn.Linear(WIDTH, 8))
+
+
+def _manager(replica: int, lighthouse: str, delay_s: float, models: dict[str, nn.Module]) -> Any:
+    from torchft import Manager
+
+    from benchmarks.slow_group import SlowProcessGroupGloo
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=SlowProcessGroupGloo(delay_s=delay_s, timeout=timedelta(seconds=60)), min_replica_size=1,
+        load_state_dict=lambda state: models["model"].module.load_state_dict(state),
+        state_dict=lambda: models["model"].module.state_dict(), use_async_quorum=False, init_sync=False,
+        replica_id=f"bench_{replica}", store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1,
+        lighthouse_addr=lighthouse, hostname="127.0.0.1", timeout=timedelta(seconds=60),
+    )
+    return manager, store
+
+
+def replica_main(replica: int, lighthouses: dict[str, str], args: argparse.Namespace, results: Any) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    from torchft import DistributedDataParallel as TorchftDDP
+
+    from overlapddp.integrations.torchft import DistributedDataParallel as Ours
+
+    wrappers = {"torchft": TorchftDDP, "overlapddp": Ours}
+    variants: dict[str, dict[str, Any]] = {}
+    for name, wrapper in wrappers.items():
+        holder: dict[str, nn.Module] = {}
+        manager, store = _manager(replica, lighthouses[name], args.delay_ms / 1000, holder)
+        model = wrapper(manager, build_model(), bucket_cap_mb=args.bucket_cap_mb)
+        holder["model"] = model
+        variants[name] = {"manager": manager, "store": store, "model": model,
+                          "optimizer": torch.optim.SGD(model.parameters(), lr=0.01)}
+    step_counter = {name: 0 for name in variants}
+
+    def step(name: str) -> float:
+        v = variants[name]
+        v["manager"].start_quorum()
+        v["optimizer"].zero_grad()
+        g = torch.Generator().manual_seed(1000 * step_counter[name] + replica)
+        x, y = torch.randn(BATCH, 32, generator=g), torch.randn(BATCH, 8, generator=g)
+        loss = nn.functional.mse_loss(v["model"](x), y)
+        start = time.perf_counter()
+        loss.backward()
+        elapsed = time.perf_counter() - start
+        if v["manager"].should_commit():
+            v["optimizer"].step()
+        step_counter[name] += 1
+        return elapsed
+
+    for _ in range(args.warmup):
+        for name in variants:
+            step(name)
+    repeats = []
+    for r in range(args.repeats):
+        order = list(variants) if r % 2 == 0 else list(reversed(variants))
+        repeats.append({name: [step(name) for _ in range(args.steps)] for name in order})
+    params = {name: [p.detach().clone() for p in v["model"].module.parameters()] for name, v in variants.items()}
+    equal = all(torch.equal(a, b) for a, b in zip(params["torchft"], params["overlapddp"], strict=True))
+    buckets = len(variants["overlapddp"]["model"].bucket_indices())
+    results.put((replica, {"repeats": repeats, "bit_equal": equal, "buckets": buckets}))
+    for v in variants.values():
+        v["manager"].shutdown(wait=False)
+    results.close()
+    results.join_thread()
+    os._exit(0)  # no process-group destructors on gloo's threads
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--delay-ms", type=float, default=20.0)
+    parser.add_argument("--bucket-cap-mb", type=float, default=0.25)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+
+    from torchft._torchft import LighthouseServer
+
+    lighthouses = {name: LighthouseServer(bind="127.0.0.1:0", min_replicas=args.replicas)
+                   for name in ("torchft", "overlapddp")}
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    procs = [context.Process(target=replica_main, args=(r, {n: s.address() for n, s in lighthouses.items()},
+                                                         args, results)) for r in range(args.replicas)]
+    for proc in procs:
+        proc.start()
+    try:
+        gathered = dict(results.get(timeout=1200) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+        for server in lighthouses.values():
+            server.shutdown()
+    report(args, gathered)
+
+
+def report(args: argparse.Namespace, gathered: dict[int, dict[str, Any]]) -> None:
+    rows = []
+    for r in range(args.repeats):
+        # a step's time is the slowest replica's
+        slowest = {name: [max(gathered[rep]["repeats"][r][name][i] for rep in gathered) for i in range(args.steps)]
+                   for name in ("torchft", "overlapddp")}
+        medians = {name: statistics.median(times) for name, times in slowest.items()}
+        rows.append({**{f"{n}_ms": round(1000 * m, 2) for n, m in medians.items()},
+                     "ratio": round(medians["torchft"] / medians["overlapddp"], 3)})
+    ratios = [row["ratio"] for row in rows]
+    summary = {
+        "replicas": args.replicas, "delay_ms": args.delay_ms, "buckets": gathered[0]["buckets"],
+        "steps": args.steps, "repeats": args.repeats, "per_repeat": rows,
+        "median_ratio": statistics.median(ratios), "min_ratio": min(ratios), "max_ratio": max(ratios),
+        "bit_equal": all(g["bit_equal"] for g in gathered.values()),
+    }
+    for row in rows:
+        print(f"torchft DDP {row['torchft_ms']:8.2f} ms   overlapddp {row['overlapddp_ms']:8.2f} ms   "
+              f"ratio {row['ratio']:.2f}")
+    print(f"median ratio {summary['median_ratio']:.2f} (min {summary['min_ratio']:.2f}, max "
+          f"{summary['max_ratio']:.2f}) over {args.repeats} repeats; {summary['buckets']} buckets; "
+          f"{args.delay_ms} ms per all-reduce; bit-equal: {summary['bit_equal']}")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""torchft: OverlapDDP over a torchft ``Manager``, so that a dead replica group does not stop training.
+
+::
+
+    from overlapddp.integrations.torchft import DistributedDataParallel   # instead of torchft's
+
+    manager = torchft.Manager(pg=torchft.ProcessGroupGloo(), min_replica_size=2, use_async_quorum=False,
+                              load_state_dict=load, state_dict=save)
+    model = DistributedDataParallel(manager, net, bucket_cap_mb=25)
+    optimizer = torchft.Optimizer(manager, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    optimizer.zero_grad()        # starts the step's quorum
+    loss_fn(model(x), y).backward()
+    optimizer.step()             # steps only if manager.should_commit()
+
+Each bucket is reduced by the manager's fault-tolerant all-reduce (a SUM over the live quorum, then
+a division by its number of participants). The hook returns a future at once, so the buckets reduce
+while backward goes on; OverlapDDP's fence completes them at the end of backward, where a failed or
+timed-out collective has already been reported to the manager (``should_commit()`` is then False on
+every replica whose collective failed). Across replica groups, OverlapDDP's own work (construction,
+buffer broadcast, bucket rebuild) runs in a process group of this rank alone.
+
+The bucket layout travels with the state the manager sends to a recovering replica (registered with
+``manager.register_state_dict_fn`` under ``bucket_state_key``), so a replica that heals adopts its
+peers' layout before its first forward, and ``find_unused_parameters`` is not needed for that.
+The options that cannot go through the manager are refused by name: see ``REFUSED``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import queue
+import threading
+import weakref
+from typing import Any, NoReturn, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torchft.manager import Manager
+
+from overlapddp.comm_hook import CommHook
+from overlapddp.optimizer_guard import OptimizerGuard
+from overlapddp.optimizer_overlap import OverlappedOptimizer
+from overlapddp.wrapper import OverlapDDP
+
+# The arguments this wrapper refuses, and why: each would reduce across replicas outside the
+# manager (so a dead peer hangs it and its failure never reaches should_commit), or make the
+# replicas' layouts differ.
+REFUSED = {
+    "process_group": "the manager owns the process group across replica groups (pass it to Manager(pg=...))",
+    "device_mesh": "the manager owns the process group across replica groups (pass it to Manager(pg=...))",
+    "mixed_precision": (
+        "its reduction is a communication hook bound to a process group, not to the manager; cast with "
+        "torch.autocast, or compress the buckets with register_comm_hook(None, fp16_compress_hook)"
+    ),
+    "delay_all_reduce_named_params": (
+        "the delayed parameters are all-reduced on the process group directly, outside the manager"
+    ),
+    "param_to_hook_all_reduce": "it only goes with delay_all_reduce_named_params, which is refused",
+    "bucket_plan": (
+        "bucket_plan='tuned' picks a layout from each replica's own timings, so replicas could pick different "
+        "layouts; only the default 'ddp' is accepted"
+    ),
+}
+_COMPRESSION: dict[object, torch.dtype] = {
+    default_hooks.fp16_compress_hook: torch.float16,
+    default_hooks.bf16_compress_hook: torch.bfloat16,
+}
+_WRAPPER_ARGUMENTS = frozenset(inspect.signature(OverlapDDP.__init__).parameters) - {"self", "module"}
+
+
+class ManagerReduction:
+    """The comm hook's state: the manager, the dtype buckets are sent in (None: their own), and the
+    thread that completes the buckets' futures."""
+
+    def __init__(self, manager: Manager) -> None:
+        self.manager = manager
+        self.wire_dtype: torch.dtype | None = None
+        self.started = False  # set by the first bucket's hook; the dtype is fixed from then on
+        # (work, bucket buffer, sent tensor, future): put by the hook (autograd's thread), taken by
+        # _complete_in_order, which sets the future that OverlapDDP's fence waits on.
+        self._launched: queue.SimpleQueue[tuple[Any, torch.Tensor, torch.Tensor, torch.futures.Future] | None] = (
+            queue.SimpleQueue()
+        )
+        threading.Thread(target=_complete_in_order, args=(self._launched,), daemon=True,
+                         name="overlapddp-torchft-completion").start()
+        weakref.finalize(self, self._launched.put, None)  # the thread ends with this state
+
+    def launch(self, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        self.started = True
+        sent = buffer if self.wire_dtype is None else buffer.to(self.wire_dtype)
+        work = self.manager.allreduce(sent)
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self._launched.put((work, buffer, sent, future))
+        return future
+
+
+def _complete_in_order(launched: queue.SimpleQueue) -> None:
+    """Wait for each launched bucket on this thread, in launch order, and set its future.
+
+    [Note: why a thread waits]
+    The manager's work divides by the participants and reports errors in callbacks that it arms
+    only once its collective has finished (``work.wait()`` does both; armed earlier, on a collective
+    still running, they fail). Waiting here keeps backward free, as the hook must not wait inline.
+    A failed or timed-out collective is reported to the manager by ``work.wait()``, and the bucket's
+    future is still set (to the bucket, whose contents no replica will apply: should_commit() is
+    False), so backward ends and the step is skipped instead of raising in the training loop.
+    """
+    while (item := launched.get()) is not None:
+        work, buffer, sent, future = item
+        try:
+            work.wait()
+            if sent is not buffer:
+                buffer.copy_(sent)  # back from the wire dtype (DDP's decompression)
+            future.set_result(buffer)
+        except Exception as error:  # the manager's own wait reports collective errors; this is ours
+            future.set_exception(error)
+
+
+def manager_allreduce_hook(state: ManagerReduction, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket over the live quorum with ``manager.allreduce``; return without waiting
+    (see [Note: why a thread waits])."""
+    return state.launch(bucket.buffer())
+
+
+manager_allreduce_hook.issues_one_collective = True  # type: ignore[attr-defined]  # no chaining needed
+
+
+class DistributedDataParallel(OverlapDDP):
+    """OverlapDDP whose buckets are reduced by a torchft ``Manager``; torchft's DDP's arguments.
+
+    ``ddp_kwargs`` are DDP's keyword arguments (those in ``REFUSED`` raise, naming why).
+    ``bucket_state_key`` names the entry of the manager's transferred state that carries the
+    bucket layout; give each wrapper on one manager its own.
+    """
+
+    def __init__(
+        self, manager: Manager, module: nn.Module, *, bucket_state_key: str = "overlapddp.bucket_state",
+        **ddp_kwargs: Any,
+    ) -> None:
+        _check_arguments(manager, module, ddp_kwargs)
+        super().__init__(module, process_group=_replica_local_group(), **ddp_kwargs)
+        self.manager = manager
+        self._manager_reduction = ManagerReduction(manager)
+        super().register_comm_hook(self._manager_reduction, cast(CommHook, manager_allreduce_hook))
+        manager.register_state_dict_fn(bucket_state_key, self.load_bucket_state, self.bucket_state)
+
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """Compression through the manager: torch's ``fp16_compress_hook`` and ``bf16_compress_hook``
+        (``state`` is ignored: the manager is the group). Other hooks would reduce outside the manager."""
+        known: object = hook
+        if known is default_hooks.allreduce_hook:
+            return  # what the manager's all-reduce already does
+        wire_dtype = _COMPRESSION.get(known)
+        if wire_dtype is None:
+            name = getattr(hook, "__qualname__", repr(hook))
+            raise ValueError(
+                f"overlapddp.integrations.torchft: the communication hook {name} cannot be registered: its collectives "
+                "would go to a process group outside the torchft Manager, so a dead replica would hang them and their "
+                "failures would not reach should_commit(). Supported: fp16_compress_hook, bf16_compress_hook "
+                "(through the manager's all-reduce), allreduce_hook (the default)."
+            )
+        if self._manager_reduction.started or self._manager_reduction.wire_dtype is not None:
+            raise RuntimeError(
+                "overlapddp.integrations.torchft: register_comm_hook must be called once, before the first backward "
+                f"(found wire dtype {self._manager_reduction.wire_dtype}, started={self._manager_reduction.started})."
+            )
+        self._manager_reduction.wire_dtype = wire_dtype
+
+    def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
+        _refuse("_register_builtin_comm_hook", "built-in hooks reduce on the process group, outside the manager")
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, *, overlap: bool = False,
+                         **kwargs: Any) -> OptimizerGuard | OverlappedOptimizer:
+        """The guard, as OverlapDDP's; ``overlap=True`` is refused: it would update the parameters
+        during backward, before ``manager.should_commit()`` can say whether the step counts."""
+        if overlap:
+            _refuse("attach_optimizer(overlap=True)", "each bucket's update would run before should_commit() decides "
+                    "whether the step is applied, and an update cannot be taken back")
+        return super().attach_optimizer(optimizer, **kwargs)
+
+    def count_tokens(self, tokens: int) -> None:
+        _refuse("count_tokens", "the global token count is an all-reduce outside the manager; divide by "
+                "manager.num_participants() in the loss instead")
+
+    def join(self, *args: Any, **kwargs: Any) -> NoReturn:
+        _refuse("join()", "a replica that runs out of data leaves the quorum instead (torchft divides by the "
+                "participants of each step)")
+
+    def __getstate__(self) -> NoReturn:
+        _refuse("pickling or copy.deepcopy", "a copy cannot hold the manager; wrap a copy of the module again")
+
+
+def _refuse(what: str, why: str) -> NoReturn:
+    raise ValueError(f"overlapddp.integrations.torchft: {what} is not supported: {why}.")
+
+
+def _check_arguments(manager: object, module: object, ddp_kwargs: dict[str, Any]) -> None:
+    if not isinstance(manager, Manager):
+        raise TypeError(
+            f"overlapddp.integrations.torchft.DistributedDataParallel(manager, module, ...): manager must be a "
+            f"torchft.Manager, got {type(manager).__name__}."
+        )
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}.")
+    # Manager has no public getter for it; a manager without the attribute is not checked.
+    if getattr(manager, "_use_async_quorum", False):
+        _refuse("a Manager with use_async_quorum=True", "a recovering replica applies its peers' state, the bucket "
+                "layout included, only in should_commit(), after its first backward, which would run with another "
+                "layout than its peers' (gloo then fails or aborts); pass use_async_quorum=False to the Manager")
+    unknown = sorted(set(ddp_kwargs) - _WRAPPER_ARGUMENTS)
+    if unknown:
+        raise TypeError(
+            f"overlapddp.integrations.torchft: {', '.join(map(repr, unknown))} is not an argument of "
+            f"DistributedDataParallel; it takes {', '.join(sorted(_WRAPPER_ARGUMENTS - set(REFUSED)))}."
+        )
+    for name, why in REFUSED.items():
+        given = ddp_kwargs.get(name)
+        if given is not None and not (name == "bucket_plan" and given == "ddp"):
+            _refuse(f"{name}={given!r}" if isinstance(given, str) else name, why)
+    sparse = [name for name, m in module.named_modules() if getattr(m, "sparse", False) is True]
+    if sparse:
+        _refuse(f"sparse gradients ({', '.join(sparse)} have sparse=True)",
+                "sparse buckets are reduced on the process group, outside the manager; build them with sparse=False")
+
+
+def _replica_local_group() -> dist.ProcessGroup:
+    """A process group of this rank alone, for OverlapDDP's own collectives (init sync, buffer
+    broadcast, rebuild): across replica groups only the manager reduces.
+
+    Without torch.distributed initialized (the usual torchft launch) this initializes a one-rank
+    gloo group on an in-memory store; with several ranks per replica group each gets its own.
+    """
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if dist.get_world_size() == 1:
+        return dist.group.WORLD  # type: ignore[return-value]
+    own, _ = dist.new_subgroups(group_size=1)
+    return own
+
