@@ -1,7 +1,8 @@
 """Every CUDA path of OverlapDDP, driven through its public API under the stream model.
 
 Each scenario trains a small model for a few iterations on fake streams (the library's CUDA branch:
-``CudaFence`` with a :class:`~tests.streams.sim.SimKit`, the CUDA token count and clock) and returns
+``CudaFence`` with the package's ``CudaKit`` on the fake ``torch.cuda``, the CUDA token count and
+clock, the pinned copies of the parameter-usage map) and returns
 the detector's findings; an empty list means every read, write and free was ordered. The user's own
 code in a scenario orders what a careful user orders (its forward waits for its last step), never
 what the library promises to order.
@@ -25,9 +26,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 from overlapddp import OverlapDDP
 from overlapddp.tuning.clock import CudaClock
+from overlapddp.device_streams import CudaKit
 from overlapddp.fence import CudaFence
 from tests.streams.backends import simulate
-from tests.streams.sim import Sim, SimKit
+from tests.streams.sim import Sim
 
 CPU = torch.device("cpu")
 BUCKET_MB = 0.0002  # about 200 bytes: a bucket or two per layer of the small model
@@ -80,7 +82,7 @@ def net(width: int = 8) -> nn.Module:
 
 def cuda(sim: Sim, model: OverlapDDP) -> OverlapDDP:
     """Put ``model`` on its CUDA branch: the CUDA fence (and, where used, clock and token count)."""
-    model._reducer.replace_fence(CudaFence(CPU, kit=SimKit(sim)))
+    model._reducer.replace_fence(CudaFence(CPU))
     tuner = getattr(model._reducer._layouts, "_tuner", None)
     if tuner is not None:
         tuner._clock = CudaClock(CPU)
@@ -311,7 +313,7 @@ def _delayed(sim: Sim) -> None:
 @scenario("token weighting")
 def _tokens(sim: Sim) -> None:
     model = wrap(sim)
-    model._reducer.enable_token_weighting()._kit = SimKit(sim)
+    model._reducer.enable_token_weighting()._kit = CudaKit(CPU)
     opt = sgd(model)
     model.attach_optimizer(opt)
     train(sim, model, opt, per_step=lambda i: model.count_tokens(3 + i))
@@ -347,11 +349,11 @@ class _TwoBranches(nn.Module):
         out = self.trunk(x)  # first in forward: its gradients are ready after the branch's
         branch = self.sim.stream("branch")
         branch.wait_stream(self.sim.current)
-        self.sim.record_stream(x, branch, "user")  # the user's x.record_stream(branch)
+        self.sim.record_stream(x, branch)  # the user's x.record_stream(branch)
         with self.sim.use(branch):
             side = self.side(x)
         self.sim.current.wait_stream(branch)
-        self.sim.record_stream(side, self.sim.current, "user")  # the user's side.record_stream(current)
+        self.sim.record_stream(side, self.sim.current)  # the user's side.record_stream(current)
         if side.requires_grad:
             self.sim.autograd.branch_on(side, list(self.side.parameters()), branch)
         return out + side
