@@ -66,6 +66,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch.futures import Future
+from torch.utils._python_dispatch import _disable_current_modes
 
 from overlapddp import torch_compat
 from tests.streams.sim import DEVICE, HOST, Accesses, HostReads, Sim, SimEvent, SimStream, _tensors, package_site
@@ -152,6 +153,12 @@ class Backend:
     def collective(self, tensor: torch.Tensor, what: str, async_op: bool) -> SimWork | None:
         raise NotImplementedError
 
+    def peer(self, tensor: torch.Tensor, what: str) -> None:
+        """A fake second rank's contribution to the result, if the scenario has one (``Sim.peer``)."""
+        if self.sim.peer is not None:
+            with _disable_current_modes():
+                self.sim.peer(tensor, what)
+
     def join(self, after: Any, value: Any) -> None:
         raise NotImplementedError
 
@@ -179,10 +186,13 @@ class Nccl(Backend):
         if not async_op:  # N3: on the current stream, nothing kept
             self.sim.access(tensor, False, f"nccl {what} (synchronous)")
             self.sim.access(tensor, True, f"nccl {what} (synchronous)")
+            self.peer(tensor, what)
             return None
         self.sim.wait_stream(self.stream, self.sim.current)  # N1
+        self.stream.op_start = self.stream.clock.get(self.stream.name, 0)
         self.sim.access(tensor, False, f"nccl {what}", self.stream)
         self.sim.access(tensor, True, f"nccl {what}", self.stream)
+        self.peer(tensor, what)
         self.sim.keep_alive(tensor, self.stream)  # N1: the stash
         return SimWork(self, [tensor], self.end_of(self.stream), stash=self.stream)
 
@@ -302,8 +312,13 @@ class AutogradModel:
         self._leaving: dict[int, Callable[[], None]] = {}  # per branch parameter: its hook, this forward
         self._held: dict[int, tuple[torch.Tensor, SimStream]] = {}  # A2: parameter -> its node's stream
         self._pending: list[int] = []  # held parameters whose hooks are registered at the next backward
+        self._entering = False  # inside torch's backward, until the engine runs (see ``backward``)
 
     def backward(self, tensors: Any, *args: Any, **kwargs: Any) -> None:
+        if self._entering:  # torch's backward handing itself to the function mode: the same call
+            self._entering = False  # a backward from a hook (reentrant checkpointing) is a new one
+            self.real(tensors, *args, **kwargs)
+            return
         self._register_held()
         caller = self.sim.current
         roots = _tensors(tensors)
@@ -314,10 +329,12 @@ class AutogradModel:
         if stream is not caller:
             self.sim.wait_stream(stream, caller)
         self.frames.append(_Frame(caller, stream))
+        self._entering = True
         try:
             with self.sim.use(stream):
                 self.real(tensors, *args, **kwargs)
         finally:
+            self._entering = False
             self.frames.pop()
 
     def accumulated(self) -> None:
@@ -387,7 +404,8 @@ _STREAM_NAMES = {"fence": "comm", "token_weighting": "tokens"}
 def simulate(sim: Sim, backend: str = "nccl") -> Iterator[Backend]:
     """Route collectives, streams, events, backward and its callbacks through the model while the
     block runs, and record every access. The package's real ``CudaKit`` runs on the fake
-    ``torch.cuda``; ``Tensor.is_cuda`` is true, for the package, of device memory."""
+    ``torch.cuda``; ``Tensor.is_cuda`` is true, for the package, of device memory (under the NCCL model; gloo's path
+    is the CPU one)."""
     model: Backend = Nccl(sim) if backend == "nccl" else Gloo(sim)
     autograd = sim.autograd = AutogradModel(sim, torch.autograd.backward)
 
@@ -407,7 +425,7 @@ def simulate(sim: Sim, backend: str = "nccl") -> Iterator[Backend]:
     real_is_cuda = torch._C.TensorBase.is_cuda
 
     def is_cuda(tensor: torch.Tensor) -> bool:
-        if package_site(1) is not None:
+        if backend == "nccl" and package_site(1) is not None:
             return sim.place(tensor) == DEVICE
         return real_is_cuda.__get__(tensor)
 

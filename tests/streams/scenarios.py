@@ -535,6 +535,151 @@ def _sparse_on_nccl(sim: Sim) -> None:
     raise AssertionError("a sparse gradient on NCCL was not refused at construction")
 
 
+@scenario("join: averaged over the ranks still training")
+def _join_training_ranks(sim: Sim) -> None:
+    model = wrap(sim)
+    opt = sgd(model)
+    model.attach_optimizer(opt)
+    with model.join(divide_by_initial_world_size=False):
+        train(sim, model, opt)
+
+
+class _WithBuffers(nn.Module):
+    """Buffers the forward broadcasts (batch norm), and a branch an iteration can leave unused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(4, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.extra = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
+        h = self.norm(self.first(x))
+        return self.head(h + self.extra(h) if use_extra else h)
+
+
+@scenario("join: a joined rank shadows a second rank still training, with buffers and unused parameters")
+def _join_shadowing(sim: Sim) -> None:
+    model = wrap(sim, _WithBuffers(), find_unused_parameters=True)
+    opt = sgd(model)
+    model.attach_optimizer(opt)
+    with model.join():
+        train(sim, lambda x: model(x, use_extra=sim.context != "iteration 1"), opt, steps=2)  # type: ignore[arg-type]
+    hook = model.join_hook()
+
+    def second_rank(tensor: torch.Tensor, what: str) -> None:
+        if what == "all_reduce" and tensor.numel() == 1 and tensor.dtype in (torch.float32, torch.int64):
+            tensor.fill_(1)  # the "will sync" flag (its backward reduces), the highest rank training (MAX)
+
+    sim.peer = second_rank
+    for i in range(2):  # this rank ran out of inputs: it shadows two of the other rank's iterations
+        sim.context = f"shadowed iteration {i}"
+        hook.main_hook()
+    sim.peer = None
+    sim.context = "after join"
+    hook.post_hook(True)
+    train(sim, model, opt, steps=1)
+
+
+@scenario("no_sync micro-steps, buffers broadcast")
+def _no_sync(sim: Sim) -> None:
+    model = wrap(sim, _WithBuffers())
+    opt = sgd(model)
+    model.attach_optimizer(opt)
+    for i in range(4):
+        sim.context = f"iteration {i}"
+        with sim.use(sim.default):
+            if i % 2 == 0:
+                with model.no_sync():
+                    model(batch(i)).square().sum().backward()
+                continue
+            model(batch(i)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    done(sim)
+
+
+@scenario("fp16_compress_hook with gradient_as_bucket_view, fence log")
+def _fp16_as_view(sim: Sim) -> None:
+    model = wrap(sim, gradient_as_bucket_view=True)
+    model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    log = model.record_fences()
+    opt = sgd(model)
+    model.attach_optimizer(opt)
+    train(sim, model, opt, forward="forward", backward=("backward",))
+    if log.violations():
+        raise AssertionError(log.violations())
+
+
+@scenario("device_ids: inputs in pageable and pinned host memory copied to the device")
+def _device_ids(sim: Sim) -> None:
+    model = wrap(sim)
+    model.device_ids = [0]  # what construction sets for a module on cuda:0 (a CPU module is refused)
+    opt = sgd(model)
+    model.attach_optimizer(opt)
+
+    def host_batch(i: int) -> torch.Tensor:
+        import numpy as np
+
+        on_host = torch.from_numpy(np.random.default_rng(i).standard_normal((3, 4), dtype=np.float32))
+        return on_host.pin_memory() if i % 2 else on_host  # a DataLoader with and without pin_memory=True
+
+    for i in range(3):
+        sim.context = f"iteration {i}"
+        with sim.use(sim.default):
+            model(host_batch(i)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    done(sim)
+
+
+@scenario("optimizer attached with strict=True on another stream is refused")
+def _strict(sim: Sim) -> None:
+    model = wrap(sim)
+    opt = sgd(model)
+    model.attach_optimizer(opt, strict=True)
+    try:
+        train(sim, model, opt, step_on="side", steps=1)
+    except RuntimeError as error:
+        if "made visible to stream" not in str(error):
+            raise
+        return
+    raise AssertionError("a step on another stream than the gradients' was not refused with strict=True")
+
+
+def _framework_scenario(sim: Sim, module_of: Callable[[Any, nn.Module], OverlapDDP], where: Any) -> None:
+    """A strategy builds the wrapper (on a side stream, as on CUDA: device ids are set), then trains on
+    the default stream."""
+    stub = type("Strategy", (), {"_determine_ddp_device_ids": lambda self: [0], "determine_ddp_device_ids":
+                                 lambda self: [0], "_ddp_kwargs": {}})()
+    saved = where.OverlapDDP
+    where.OverlapDDP = lambda module, device_ids=None, **kwargs: wrap(sim, module, **kwargs)  # a CPU module
+    try:
+        with sim.use(sim.default):
+            model = module_of(stub, net())
+    finally:
+        where.OverlapDDP = saved
+    opt = sgd(model)
+    model.attach_optimizer(opt)
+    train(sim, model, opt)
+
+
+@scenario("Fabric strategy: the wrapper built on a side stream")
+def _fabric(sim: Sim) -> None:
+    from overlapddp.integrations import fabric
+
+    _framework_scenario(sim, fabric.OverlapDDPFabricStrategy.setup_module, fabric)
+
+
+@scenario("Trainer strategy: the wrapper built on a side stream")
+def _trainer(sim: Sim) -> None:
+    from overlapddp.integrations import trainer_strategy
+
+    _framework_scenario(sim, trainer_strategy.OverlapDDPStrategySteps._setup_model, trainer_strategy)
+
+
 # -- the CPU path, with gloo's worker thread as a stream ----------------------------------------------------
 
 
@@ -544,6 +689,16 @@ def _gloo_default(sim: Sim) -> None:
     opt = sgd(model)
     model.attach_optimizer(opt)
     train(sim, model, opt)
+
+
+@scenario("gloo: token weighting and find_unused_parameters", backend="gloo")
+def _gloo_tokens(sim: Sim) -> None:
+    model = wrap(sim, _Branchy(), on_cuda=False, find_unused_parameters=True)
+    model._reducer.enable_token_weighting()
+    opt = sgd(model)
+    model.attach_optimizer(opt)
+    train(sim, lambda x: model(x, use_extra=sim.context.endswith("1")), opt,  # type: ignore[arg-type]
+          per_step=lambda i: model.count_tokens(3 + i))
 
 
 class _Sparse(nn.Module):

@@ -103,6 +103,7 @@ class SimStream:
         self.stream_id = name
         self.clock: dict[str, int] = {name: 0}
         self.device = torch.device("cpu")
+        self.op_start = 0  # this stream's own tick before its last op began (an event recorded earlier)
 
     def wait_event(self, event: "SimEvent") -> None:
         if not self.sim.mutated("wait"):
@@ -133,8 +134,8 @@ class SimEvent:
             return
         self.sim.merge_host(stream)
         self.clock = dict(stream.clock)
-        if self.sim.mutated("record earlier") and self.clock.get(stream.name, 0) > 0:
-            self.clock[stream.name] -= 1  # as if recorded before the last work queued on the stream
+        if self.sim.mutated("record earlier"):
+            self.clock[stream.name] = stream.op_start  # as if recorded before the last op queued on the stream
 
     def wait(self, stream: SimStream | None = None) -> None:
         if not self.sim.mutated("wait"):
@@ -148,7 +149,12 @@ class SimEvent:
         return True
 
     def elapsed_time(self, other: "SimEvent") -> float:
-        return 1.0  # milliseconds; the model has no timing
+        """1 ms (the model has no timing); on CUDA both events must be recorded and complete, or it
+        raises (``cudaEventElapsedTime``: not ready, or an invalid handle)."""
+        for event in (self, other):
+            if event.clock is None or any(self.sim.host.get(s, 0) < t for s, t in event.clock.items()):
+                self.sim._find("elapsed_time of an event the host has not seen complete, which raises on CUDA")
+        return 1.0
 
 
 @dataclass
@@ -189,13 +195,17 @@ class Sim:
         self._labels = 0
         self.autograd: Any = None  # the engine's model, while simulating (backends.AutogradModel)
         self.frees_on_current = False  # CPU threads free memory themselves (set by the gloo model)
+        # A fake second rank: called with each collective's tensor and name after the one-rank result,
+        # to change it as the other rank's contribution would (a joined rank's peer still training).
+        self.peer: Any = None
         self._names: dict[str, int] = {}
 
     # -- mutation sites ---------------------------------------------------------------------------
 
-    def mutated(self, kind: str, depth: int = 1) -> bool:
-        """Note the package call site ``depth`` frames up as run; whether this run's mutant changes it."""
-        site = package_site(depth + 1, through_torch=kind == "host sync")
+    def mutated(self, kind: str) -> bool:
+        """Note the package call site that made the model's caller act as run; whether this run's mutant
+        changes it."""
+        site = package_site(1, through_torch=kind == "host sync")
         if site is None:
             return False
         self.sites.add((kind, *site))
@@ -247,7 +257,7 @@ class Sim:
         _merge(self.host, clock)
 
     def synchronize(self) -> None:
-        if self.mutated("wait", 2):
+        if self.mutated("wait"):
             return
         for stream in list(self.streams.values()):
             self.host_sees(stream.clock)
@@ -328,13 +338,13 @@ class Sim:
         blocking copy on the current stream, which the host then waits for."""
         if self.place(tensor) == DEVICE:
             self.access(tensor, False, what)
-            if not self.mutated("host sync", 2):
+            if not self.mutated("host sync"):
                 self.host_sees(self.current.clock)
         else:
             self.access(tensor, False, what, self.host_stream)
 
     def record_stream(self, tensor: torch.Tensor, stream: SimStream) -> None:
-        if self.mutated("record_stream", 2):
+        if self.mutated("record_stream"):
             return
         for key, owner, kind in self.parts(tensor):
             self._record(key, owner, kind, "record_stream").recorded.add(stream.name)
@@ -446,6 +456,7 @@ class Accesses(TorchDispatchMode):
             else:
                 views += [t for t in tensors if t.layout == torch.sparse_coo]
         places = {sim.place(t) for t in reads + writes + views}
+        sim.current.op_start = sim.current.clock.get(sim.current.name, 0)
         stream, out_place, host_waits, source_on_host = sim.current, None, False, False
         if pinned_output:
             stream, out_place = sim.host_stream, PINNED
@@ -483,14 +494,36 @@ class Accesses(TorchDispatchMode):
 
 class HostReads(TorchFunctionMode):
     """The host reads that reach no operator on a CPU tensor: ``tolist``, ``numpy``, ``__array__`` and
-    ``data_ptr`` (of host memory: whoever takes the address reads through it)."""
+    ``data_ptr`` (of host memory: whoever takes the address reads through it); and ``Tensor.to`` a
+    device of host memory, a copy to the device that the CPU stand-in would skip."""
 
     def __init__(self, sim: Sim) -> None:
         super().__init__()
         self.sim = sim
 
+    def _to_device(self, tensor: torch.Tensor, non_blocking: bool) -> torch.Tensor:
+        """``tensor.to(device)`` of host memory: the rules of a copy (see the module docstring)."""
+        sim = self.sim
+        pinned = sim.place(tensor) == PINNED
+        stream = sim.current
+        sim.access(tensor, False, "Tensor.to (to the device)", stream if pinned or not non_blocking else sim.host_stream)
+        if pinned and non_blocking:
+            for key, owner, kind in sim.parts(tensor):
+                sim._record(key, owner, kind, "Tensor.to").recorded.add(stream.name)
+        with _disable_current_modes():
+            out = tensor.clone()
+        sim.access(out, True, "Tensor.to (to the device)", stream, allocates=True, place=DEVICE)
+        if not non_blocking:
+            sim.host_sees(stream.clock)
+        return out
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         name = getattr(func, "__name__", "")
+        kwargs = kwargs or {}
+        if name == "to" and args and isinstance(args[0], torch.Tensor) and self.sim.place(args[0]) != DEVICE:
+            target = kwargs.get("device", args[1] if len(args) > 1 else None)
+            if isinstance(target, (torch.device, str, int)) and len(args) <= 2 and set(kwargs) <= {"device", "non_blocking"}:
+                return self._to_device(args[0], bool(kwargs.get("non_blocking", False)))
         if name in ("tolist", "numpy", "__array__", "data_ptr") and args and isinstance(args[0], torch.Tensor):
             tensor = args[0]
             device = self.sim.place(tensor) == DEVICE
