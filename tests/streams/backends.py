@@ -116,7 +116,8 @@ class SimWork:
     """A collective's ``Work`` under the model; ``stash``: the tensors NCCL keeps until the work is
     waited (N1, N2)."""
 
-    def __init__(self, backend: "Backend", tensors: list[torch.Tensor], after: Any, stash: SimStream | None = None) -> None:
+    def __init__(self, backend: "Backend", tensors: list[torch.Tensor], after: Any,
+                 stash: SimStream | None = None) -> None:
         self._backend = backend
         self._tensors = tensors
         self._after = after
@@ -312,13 +313,8 @@ class AutogradModel:
         self._leaving: dict[int, Callable[[], None]] = {}  # per branch parameter: its hook, this forward
         self._held: dict[int, tuple[torch.Tensor, SimStream]] = {}  # A2: parameter -> its node's stream
         self._pending: list[int] = []  # held parameters whose hooks are registered at the next backward
-        self._entering = False  # inside torch's backward, until the engine runs (see ``backward``)
 
     def backward(self, tensors: Any, *args: Any, **kwargs: Any) -> None:
-        if self._entering:  # torch's backward handing itself to the function mode: the same call
-            self._entering = False  # a backward from a hook (reentrant checkpointing) is a new one
-            self.real(tensors, *args, **kwargs)
-            return
         self._register_held()
         caller = self.sim.current
         roots = _tensors(tensors)
@@ -329,12 +325,10 @@ class AutogradModel:
         if stream is not caller:
             self.sim.wait_stream(stream, caller)
         self.frames.append(_Frame(caller, stream))
-        self._entering = True
         try:
             with self.sim.use(stream):
                 self.real(tensors, *args, **kwargs)
         finally:
-            self._entering = False
             self.frames.pop()
 
     def accumulated(self) -> None:
@@ -476,13 +470,14 @@ def simulate(sim: Sim, backend: str = "nccl") -> Iterator[Backend]:
         (torch, "frombuffer", on_host(torch.frombuffer)),
         (torch, "from_numpy", on_host(torch.from_numpy)),
         (_reducer_module(), "grad_accumulators", held_accumulators),
+        *HostReads(sim).patches(),
     ]
     missing = object()
     saved = [(obj, attr, obj.__dict__.get(attr, missing)) for obj, attr, _ in patches]
     try:
         for obj, attr, new in patches:
             setattr(obj, attr, new)
-        with Accesses(sim), HostReads(sim):
+        with Accesses(sim):
             yield model
     finally:
         for obj, attr, old in saved:

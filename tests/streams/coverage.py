@@ -57,8 +57,7 @@ def cuda_lines(root: pathlib.Path = ROOT) -> dict[str, set[int]]:
         tree = ast.parse(path.read_text(), relative)
         lines: set[int] = set()
         if relative in WHOLE_FILES:
-            lines |= _statements(tree.body) - {n.lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom, ast.Assign))}
-            for node in ast.walk(tree):
+            for node in ast.walk(tree):  # every function's statements (the module's run at import)
                 if isinstance(node, ast.FunctionDef):
                     lines |= _statements(node.body)
         for node in ast.walk(tree):

@@ -49,7 +49,6 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 HOST_SYNCS = {"aten._local_scalar_dense.default"}
@@ -492,21 +491,52 @@ class Accesses(TorchDispatchMode):
         return out
 
 
-class HostReads(TorchFunctionMode):
-    """The host reads that reach no operator on a CPU tensor: ``tolist``, ``numpy``, ``__array__`` and
-    ``data_ptr`` (of host memory: whoever takes the address reads through it); and ``Tensor.to`` a
-    device of host memory, a copy to the device that the CPU stand-in would skip."""
+class HostReads:
+    """The host reads that reach no operator on a CPU tensor, as patches of ``torch.Tensor``'s methods
+    (a function mode would be off inside backward, which torch's ``backward`` hands to it):
+    ``tolist``, ``numpy``, ``__array__`` and ``data_ptr`` (of host memory: whoever takes the address
+    reads through it); and ``Tensor.to`` a device of host memory, a copy to the device that the CPU
+    stand-in would skip."""
+
+    METHODS = ("tolist", "numpy", "__array__", "data_ptr", "to")
 
     def __init__(self, sim: Sim) -> None:
-        super().__init__()
         self.sim = sim
+        self.real = {name: getattr(torch.Tensor, name) for name in self.METHODS}
+
+    def patches(self) -> list[tuple[Any, str, Any]]:
+        """(torch.Tensor, method, replacement) for each method."""
+        return [(torch.Tensor, name, self._method(name)) for name in self.METHODS]
+
+    def _method(self, name: str) -> Any:
+        real = self.real[name]
+
+        def method(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if name == "to":
+                return self._to(real, tensor, *args, **kwargs)
+            device = self.sim.place(tensor) == DEVICE
+            if name in ("numpy", "__array__") and device and package_site(1) is not None:
+                self.sim._find(f"{name}() of device memory, which raises on CUDA (copy it to the host first)")
+            if not (name == "data_ptr" and device):
+                self.sim.host_read(tensor, f"Tensor.{name}")
+            return real(tensor, *args, **kwargs)
+
+        return method
+
+    def _to(self, real: Any, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        target = kwargs.get("device", args[0] if args else None)
+        if self.sim.place(tensor) == DEVICE or not isinstance(target, (torch.device, str, int)) or len(args) > 1 \
+                or not set(kwargs) <= {"device", "non_blocking"}:
+            return real(tensor, *args, **kwargs)
+        return self._to_device(tensor, bool(kwargs.get("non_blocking", False)))
 
     def _to_device(self, tensor: torch.Tensor, non_blocking: bool) -> torch.Tensor:
         """``tensor.to(device)`` of host memory: the rules of a copy (see the module docstring)."""
         sim = self.sim
         pinned = sim.place(tensor) == PINNED
         stream = sim.current
-        sim.access(tensor, False, "Tensor.to (to the device)", stream if pinned or not non_blocking else sim.host_stream)
+        reader = stream if pinned or not non_blocking else sim.host_stream  # pageable: staged by the host now
+        sim.access(tensor, False, "Tensor.to (to the device)", reader)
         if pinned and non_blocking:
             for key, owner, kind in sim.parts(tensor):
                 sim._record(key, owner, kind, "Tensor.to").recorded.add(stream.name)
@@ -516,19 +546,3 @@ class HostReads(TorchFunctionMode):
         if not non_blocking:
             sim.host_sees(stream.clock)
         return out
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        name = getattr(func, "__name__", "")
-        kwargs = kwargs or {}
-        if name == "to" and args and isinstance(args[0], torch.Tensor) and self.sim.place(args[0]) != DEVICE:
-            target = kwargs.get("device", args[1] if len(args) > 1 else None)
-            if isinstance(target, (torch.device, str, int)) and len(args) <= 2 and set(kwargs) <= {"device", "non_blocking"}:
-                return self._to_device(args[0], bool(kwargs.get("non_blocking", False)))
-        if name in ("tolist", "numpy", "__array__", "data_ptr") and args and isinstance(args[0], torch.Tensor):
-            tensor = args[0]
-            device = self.sim.place(tensor) == DEVICE
-            if name in ("numpy", "__array__") and device and package_site(1) is not None:
-                self.sim._find(f"{name}() of device memory, which raises on CUDA (copy it to the host first)")
-            if not (name == "data_ptr" and device):
-                self.sim.host_read(tensor, f"Tensor.{name}")
-        return func(*args, **(kwargs or {}))
