@@ -381,3 +381,40 @@ def test_cuda_kit_records_a_device_tensor_and_a_sparse_ones_parts(monkeypatch):
     sparse = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.ones(2), (4,)).coalesce()
     kit.record_stream(sparse, "s")
     assert recorded == [((3,), torch.float32, "s"), ((1, 2), torch.int64, "s"), ((2,), torch.float32, "s")]
+
+
+# -- the races the host-memory model exists for, planted in the library's own paths -------------------------
+
+
+def test_the_token_count_read_after_a_stream_wait_instead_of_an_event_synchronize_races(one_rank, monkeypatch):
+    from overlapddp.token_weighting import TokenCount
+
+    real_launch = TokenCount.launch
+
+    def launch_then_wait_on_a_stream(self, process_group) -> None:
+        real_launch(self, process_group)
+        copied = self._copied
+
+        class StreamWaitOnly:  # what `synchronize()` replaced by a stream wait would order: no host read
+            def synchronize(self) -> None:
+                torch.cuda.current_stream().wait_event(copied)
+
+        self._copied = StreamWaitOnly()
+
+    monkeypatch.setattr(TokenCount, "launch", launch_then_wait_on_a_stream)
+    findings = scenarios.run("token weighting")
+    assert any("read by aten._local_scalar_dense.default on host races the write by aten.copy_.default on tokens"
+               in f for f in findings), findings
+
+
+def test_tolist_of_the_usage_counts_not_ordered_after_their_collective_races(one_rank):
+    [wait] = [m for m in call_sites() if m.kind == "wait" and m.text == "self._reduction.wait()"
+              and m.path == "overlapddp/param_usage.py" and "tolist" in m.text + _line(m)]
+    findings = scenarios.run("find_unused_parameters", Sim(mutant=wait))
+    assert any("read by Tensor.tolist on default races the write by nccl all_reduce" in f for f in findings), findings
+
+
+def _line(mutant) -> str:
+    import linecache
+
+    return linecache.getline(str(ROOT / mutant.path), mutant.first)
