@@ -1,54 +1,62 @@
 """What NCCL, gloo's worker threads and the autograd engine do with streams, as the detector sees it.
 
-Each rule names the torch source it models (torch 2.11 to 2.14; where they differ, the laxest
-behaviour is modelled, so that the detector finds more). The C++ sources are not installed with
-torch; file and function names are from pytorch/pytorch's tree, read at those versions, and each
-rule has a litmus test on hardware in ``tests/gpu/test_stream_model.py``.
+Each rule names the torch source it models, torch 2.11 to 2.14 (where they differ, the laxest
+behaviour is modelled, so that the detector finds more). Line numbers are of the headers torch
+2.14.1 installs (``torch/include/...``, read for this model); the ``.cpp`` files are not installed,
+so for them the file and function in pytorch/pytorch's tree are named, from reading them at those
+versions, without lines. Each rule has a litmus test on hardware in ``tests/gpu/test_stream_model.py``.
 
-NCCL (``torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp``, ``aten/src/ATen/core/ivalue.cpp``):
+NCCL (``torch/csrc/distributed/c10d/ProcessGroupNCCL.{hpp,cpp}``, ``ATen/core/ivalue_inl.h``):
 
 - N1 an async collective runs on the group's NCCL stream after that stream waited on the launching
-  (current) stream (``ProcessGroupNCCL::collective``: ``syncStream``), and the work stashes its
-  tensors (``stashed_for_allocator_safety_``, the default since record_stream became opt-in with
-  ``TORCH_NCCL_RECORD_STREAMS``) until the collective is done, when the watchdog drops the work;
-- N2 ``Work.wait()`` makes the current stream wait on the end event (``WorkNCCL::synchronizeStream``,
-  ``ncclEndEvent_->block``) and releases the stash (``WorkNCCL::wait``): from then on the tensors'
+  (current) stream (``ProcessGroupNCCL::collective``, ``syncStream``), and the work stashes its
+  tensors instead of ``recordStream`` (``ProcessGroupNCCL.hpp`` 183-192, ``TensorShelf`` 252-268,
+  ``stashed_for_allocator_safety_`` 495-502) until it is waited, or until the watchdog has seen it
+  complete (``shelvesToUnstash_``, 1441-1451);
+- N2 ``Work.wait()`` makes the current stream wait on the end event and releases the stash
+  (``WorkNCCL::wait``/``synchronize``/``synchronizeStream``, hpp 358-371; "we'll clear this list in
+  synchronizeStream, just after user-facing stream(s) are synced", 495): from then on the tensors'
   memory is guarded by their allocation stream and ``record_stream`` only;
-- N3 a synchronous collective (``async_op=False``, passed down as ``opts.asyncOp``) runs on the
-  current stream itself, with no event and no stash (``ProcessGroupNCCL::collective``: the stream is
-  ``getCurrentCUDAStream`` when ``!asyncOp``);
+- N3 a synchronous collective (``async_op=False``, passed down as ``opts.asyncOp``:
+  ``torch/distributed/distributed_c10d.py`` 3893 in ``all_reduce``, 3772 in ``broadcast``; ``c10d/Types.hpp`` 133;
+  ``collective(..., bool asyncOp)``, hpp 1155-1164) runs on the current stream itself, with no event
+  to wait on and no stash (``ProcessGroupNCCL::collective`` in the .cpp picks the current stream when
+  ``!asyncOp``; torch 2.11 already does);
 - N4 the future is complete at enqueue, with events recorded on the NCCL stream for its value's
-  devices (``WorkNCCL::future_``, ``Future::markCompleted``); its ``wait()`` makes the current stream
-  wait on those events and records the value's storages for that stream
-  (``Future::synchronizeWithCurrentStreams``, ``recordDataPtrOnStream``); ``value()`` orders nothing;
+  devices (``ivalue_inl.h`` 955-970, ``Future::markCompleted``); its ``wait()`` makes the current
+  stream wait on those events and records the value's device storages for that stream (899-903,
+  ``synchronizeWithCurrentStreams`` 1207-1222, ``recordDataPtrOnStream``); ``value()`` orders nothing;
 - N5 ``then`` and ``add_done_callback`` run the callback at once (the parent is complete) on a pool
-  stream (``Future::invokeCallback``: ``getStreamFromGlobalPool``, ``MultiStreamGuard``) that first
-  waits on the parent's events and records the parent value's storages for it; the child future
-  records events on the current streams of the devices its value's storages are on, so a value
-  that holds no CUDA storage (None, a number, host memory) records none and its ``wait()`` orders
-  nothing (``Future::markCompleted``: ``extractStorages``, ``getDevicesOfStorages``);
-- N6 a sparse tensor is refused (``ProcessGroupNCCL::allreduce``: ``check_gpu_single_tensor``).
+  stream that first waits on the parent's events and records the parent value's storages for it
+  (``invokeCallback``, 1181-1201: ``getStreamFromGlobalPool``, ``MultiStreamGuard``,
+  ``synchronizeWithCurrentStreams``); the child future records events only on the devices its
+  value's storages are on (``markCompleted`` 940-970 with ``getDevicesOfStorages`` 1262-1275, which
+  skips CPU storages), so a value that holds no CUDA storage (None, a number, host memory) records
+  none and its ``wait()`` orders nothing;
+- N6 a sparse tensor is refused (``ProcessGroupNCCL::allreduce``, .cpp).
 
 Gloo (CPU, ``ProcessGroupGloo.cpp``): an async collective reads and writes its tensors on a worker
 thread, modelled as one more stream that starts after the host and that the host joins when it waits
 on the work or its future; callbacks run on that worker after the collective. A sparse all-reduce
 replaces its input's indices and values there.
 
-The autograd engine (``torch/csrc/autograd/engine.cpp``, ``input_buffer.cpp``, ``function.h``):
+The autograd engine (``torch/csrc/autograd/``):
 
-- A1 a node runs on its stream (``Node::stream``: the stream of its input metadata, captured when the
-  node was made in forward); backward of the root starts after the root's stream waited on the
-  caller's (``Engine::execute``: the root's ``InputBuffer::add``);
-- A2 an ``AccumulateGrad`` node runs on the stream current when it was created
-  (``AccumulateGrad::AccumulateGrad``: ``add_input_metadata``): for most parameters the stream of
-  the first forward op that used them, but a node kept alive (the reducer holds them with
+- A1 a node runs on its stream, the stream of its first input's metadata (``node.h`` 250-269,
+  ``Node::stream``), captured when the node was made in forward (``input_metadata.h`` 62-64, 122);
+  backward of the root starts after the root's stream waited on the caller's (``engine.cpp``,
+  ``Engine::execute``: the root's ``InputBuffer::add``);
+- A2 so an ``AccumulateGrad`` runs on the stream current when it was created (``accumulate_grad.h``
+  44-45, its constructor adds the variable's input metadata): for most parameters the stream of the
+  first forward op that used them, but a node kept alive (the reducer holds them with
   ``find_unused_parameters``) keeps the stream of its creation;
 - A3 every node whose input gradient was produced on another stream first waits for it
-  (``InputBuffer::add``: the consumer stream waits on an event of the producer's; the gradient is
-  recorded for the consumer);
+  (``input_buffer.h`` 51-59, ``InputBuffer::add`` with the producer and consumer streams, for every
+  node);
 - A4 end-of-backward callbacks run on the caller's stream after it waited on the leaf streams only
-  (``GraphTask::exec_post_processing``: ``leaf_streams``, the streams of nodes with no next edges:
-  the accumulations), not on every stream backward used.
+  (``graph_task.h`` 128-132: ``leaf_streams``, "synced with leaf_streams in exec_post_processing";
+  the leaf streams are those of nodes with no next edges: the accumulations), not on every stream
+  backward used.
 
 Every node runs on the root's stream, except a branch of forward declared to run on another stream
 (:meth:`AutogradModel.branch_on`) and the accumulations of held nodes (A2).
