@@ -392,6 +392,19 @@ def _delayed_two_streams(sim: Sim) -> None:
     train(sim, model, opt)
 
 
+@scenario("delayed all-reduce launched at the end of backward (its hook parameter unused)")
+def _delayed_finish(sim: Sim) -> None:
+    module = _Branchy()
+    delayed = [("trunk.4.weight", module.trunk[4].weight), ("trunk.4.bias", module.trunk[4].bias)]
+    model = wrap(sim, module, delay_all_reduce_named_params=delayed, param_to_hook_all_reduce=module.extra.weight,
+                 find_unused_parameters=True)
+    opt = sgd(model)
+    model.attach_optimizer(opt)
+    # Iteration 1 leaves the hook parameter unused: finalize launches the delayed all-reduce, then finishes it.
+    train(sim, lambda x: model(x, use_extra=sim.context != "iteration 1"), opt, forward="forward",  # type: ignore[arg-type]
+          backward=("backward",))
+
+
 @scenario("find_unused_parameters")
 def _unused(sim: Sim) -> None:
     module = _Branchy()
@@ -399,6 +412,17 @@ def _unused(sim: Sim) -> None:
     opt = sgd(model)
     model.attach_optimizer(opt)
     train(sim, lambda x: model(x, use_extra=sim.context.endswith("1")), opt, steps=3)  # type: ignore[arg-type]
+
+
+@scenario("find_unused_parameters, forward and backward on streams other than the construction one")
+def _unused_other_streams(sim: Sim) -> None:
+    # The reducer holds every AccumulateGrad from construction (on the default stream), so the
+    # gradients are accumulated, and the buckets filled, there, not on forward's stream (A2).
+    model = wrap(sim, _Branchy(), find_unused_parameters=True)
+    opt = sgd(model)
+    model.attach_optimizer(opt)
+    train(sim, lambda x: model(x, use_extra=sim.context.endswith("1")), opt, forward="forward",  # type: ignore[arg-type]
+          backward=("backward",))
 
 
 @scenario("static_graph")
