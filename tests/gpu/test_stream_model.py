@@ -25,7 +25,8 @@ N = 1 << 16
 
 
 def _slow_fill(tensor: torch.Tensor, value: float, stream: torch.cuda.Stream) -> None:
-    """On ``stream``: sleep, then fill ``tensor`` with ``value``."""
+    """On ``stream``, after the current stream's work so far: sleep, then fill ``tensor`` with ``value``."""
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         _device_sleep(SLEEP_S)
         tensor.fill_(value)
@@ -100,15 +101,21 @@ def nccl():
     dist.destroy_process_group()
 
 
-def _gather_late(async_op: bool, allocated_on: torch.cuda.Stream | None = None):
-    """An all-gather (its output written by NCCL, so ordering shows) of a tensor the current stream
-    fills after a sleep; returns (input, output, work)."""
+def _gather_late(async_op: bool, allocated_on: torch.cuda.Stream | None = None, fill_late: bool = True):
+    """An all-gather (its output written by NCCL, so ordering shows) of a tensor of ones, launched from
+    a current stream that is asleep: with ``fill_late`` the ones are written after the sleep (the
+    collective must wait for them), else before it (the collective runs late); returns (input,
+    output, work)."""
     with torch.cuda.stream(allocated_on or torch.cuda.current_stream()):
         source = torch.zeros(N, device="cuda")
-    if allocated_on is not None:
-        torch.cuda.current_stream().wait_stream(allocated_on)
     output = torch.zeros(N, device="cuda")
-    _slow_fill(source, 1.0, torch.cuda.current_stream())
+    torch.cuda.synchronize()  # what follows on any stream is after these allocations' writes
+    current = torch.cuda.current_stream()
+    if fill_late:
+        _slow_fill(source, 1.0, current)
+    else:
+        source.fill_(1.0)
+        _device_sleep(SLEEP_S)
     work = dist.all_gather_into_tensor(output, source, async_op=async_op)
     return source, output, work
 
@@ -129,7 +136,7 @@ def test_n1_the_stash_keeps_an_async_collectives_input_and_n2_work_wait_releases
     results = {}
     for case in ("not waited", "waited"):
         torch.cuda.synchronize()
-        source, output, work = _gather_late(async_op=True, allocated_on=side)
+        source, output, work = _gather_late(async_op=True, allocated_on=side, fill_late=False)
         if case == "waited":
             work.wait()  # the current stream waits on the end event; the stash is released
         address = source.data_ptr()
@@ -145,7 +152,7 @@ def test_n1_the_stash_keeps_an_async_collectives_input_and_n2_work_wait_releases
 
 def test_n3_a_synchronous_collective_runs_on_the_current_stream_and_keeps_nothing(nccl):
     side = torch.cuda.Stream()
-    source, output, work = _gather_late(async_op=False, allocated_on=side)
+    source, output, work = _gather_late(async_op=False, allocated_on=side, fill_late=False)
     assert work is None
     address = source.data_ptr()
     del source  # no stash: the block goes back to side's pool at once
