@@ -5,7 +5,8 @@ The call sites come from an AST walk over ``overlapddp/`` (``tests/streams/sites
 (through the CUDA kit or not: ``future.wait``, ``work.wait``, ``event.synchronize``, ...), every
 ``record_stream``, every event ``record`` (left out, and recorded before the last work queued on
 its stream) and every host read (``.item()``, ``.tolist()``, ``float``/``int``/``bool`` of a
-tensor) made without its host wait. Each mutant runs the stream race detector's scenarios
+tensor) made without its host wait; and every event record that has a statement before it in its
+block, moved above that statement in the source (with the statements that make its event). Each mutant runs the stream race detector's scenarios
 (``tests/streams/scenarios.py``, CUDA under the NCCL model and the CPU path under gloo's) that reach
 its call; it is caught when one of them, clean on the unmutated code, reports a finding. A mutant
 no scenario can catch is listed with its reason in docs/cuda.md ("Mutants argued equivalent"),
@@ -27,9 +28,9 @@ sys.path.insert(0, str(ROOT))
 
 from tests.streams import scenarios  # noqa: E402
 from tests.streams.sim import Mutant, Sim  # noqa: E402
-from tests.streams.sites import call_sites, is_cast  # noqa: E402
+from tests.streams.sites import call_sites, is_cast, moved, moved_records  # noqa: E402
 
-ARGUED = re.compile(r"^\| (wait|record_stream|record|record earlier|host sync) \| `([^`]+)` \| `([^`]+)` \| (.+) \|$")
+ARGUED = re.compile(r"^\| (wait|record_stream|record|record earlier|record moved|host sync) \| `([^`]+)` \| `([^`]+)` \| (.+) \|$")
 
 
 def argued() -> dict[tuple[str, str, str], str]:
@@ -44,8 +45,17 @@ def argued() -> dict[tuple[str, str, str], str]:
 
 
 def reaches(mutant: Mutant, sites: set[tuple[str, str, int]]) -> bool:
-    return any(kind == mutant.kind and path == mutant.path and mutant.first <= line <= mutant.last
+    wanted = "record" if mutant.kind == "record moved" else mutant.kind
+    return any(kind == wanted and path == mutant.path and mutant.first <= line <= mutant.last
                for kind, path, line in sites)
+
+
+def finds(name: str, mutant: Mutant) -> bool:
+    """Whether scenario ``name`` reports a finding with ``mutant`` applied."""
+    if mutant.kind == "record moved":
+        with moved(mutant):
+            return bool(scenarios.run(name, Sim()))
+    return bool(scenarios.run(name, Sim(mutant=mutant)))
 
 
 def main() -> int:
@@ -61,7 +71,7 @@ def main() -> int:
         hits[name] = sim.sites
     print(f"{len(clean)}/{len(names)} scenarios clean without mutation")
     reasons = argued()
-    every = call_sites()
+    every = call_sites() + moved_records()
     reached = {m: [n for n in clean if reaches(m, hits[n])] for m in every}
     casts = [m for m in every if is_cast(m) and not reached[m]]
     mutants = [m for m in every if m not in casts]
@@ -71,7 +81,7 @@ def main() -> int:
     missed = []
     for mutant in mutants:
         why = reasons.get((mutant.kind, mutant.path, mutant.text))
-        by = next((name for name in reached[mutant] if scenarios.run(name, Sim(mutant=mutant))), None)
+        by = next((name for name in reached[mutant] if finds(name, mutant)), None)
         if by is not None:
             caught += 1
             print(f"caught {mutant}, by '{by}'" + (" (also argued: drop its row)" if why else ""))
