@@ -3,15 +3,16 @@ changed one call site at a time.
 
 The call sites come from an AST walk over ``overlapddp/`` (``tests/streams/sites.py``): every wait
 (through the CUDA kit or not: ``future.wait``, ``work.wait``, ``event.synchronize``, ...), every
-``record_stream``, every event ``record`` (left out, and recorded before the last work queued on
-its stream) and every host read (``.item()``, ``.tolist()``, ``float``/``int``/``bool`` of a
-tensor) made without its host wait; and every event record that has a statement before it in its
-block, moved above that statement in the source (with the statements that make its event). Each mutant runs the stream race detector's scenarios
-(``tests/streams/scenarios.py``, CUDA under the NCCL model and the CPU path under gloo's) that reach
-its call; it is caught when one of them, clean on the unmutated code, reports a finding. A mutant
-no scenario can catch is listed with its reason in docs/cuda.md ("Mutants argued equivalent"),
-which this tool reads; any other is MISSED. Nothing is timed, so the outcome is the same on every
-run. The last line is ``K/N caught, A argued``; the exit status is 0 only when none was missed.
+``record_stream``, every event ``record`` (left out, and recorded before the last work queued on its
+stream) and every host read (``.item()``, ``.tolist()``, ``float``/``int``/``bool`` of a tensor)
+made without its host wait; and every event record that has a statement before it in its block,
+moved above that statement in the source (with the statements that make its event). Each mutant runs
+the stream race detector's scenarios (``tests/streams/scenarios.py``, CUDA under the NCCL model and
+the CPU path under gloo's) that reach its call; it is caught when one of them, clean on the
+unmutated code, reports a finding. A mutant no scenario can catch is listed with its reason in
+docs/cuda.md ("Mutants argued equivalent"), which this tool reads; any other is MISSED. Nothing is
+timed, so the outcome is the same on every run. The last line is ``K/N caught, A argued``; the exit
+status is 0 only when none was missed.
 
     PYTHONPATH=$PWD python3 tools/stream_mutations.py
 """
@@ -30,7 +31,8 @@ from tests.streams import scenarios  # noqa: E402
 from tests.streams.sim import Mutant, Sim  # noqa: E402
 from tests.streams.sites import call_sites, is_cast, moved, moved_records  # noqa: E402
 
-ARGUED = re.compile(r"^\| (wait|record_stream|record|record earlier|record moved|host sync) \| `([^`]+)` \| `([^`]+)` \| (.+) \|$")
+KINDS = "wait|record_stream|record|record earlier|record moved|host sync"
+ARGUED = re.compile(rf"^\| ({KINDS}) \| `([^`]+)` \| `([^`]+)` \| (.+) \|$")
 
 
 def argued() -> dict[tuple[str, str, str], str]:
