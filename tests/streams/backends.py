@@ -21,7 +21,7 @@ NCCL (``torch/csrc/distributed/c10d/ProcessGroupNCCL.{hpp,cpp}``, ``ATen/core/iv
   ``torch/distributed/distributed_c10d.py`` 3893 in ``all_reduce``, 3772 in ``broadcast``; ``c10d/Types.hpp`` 133;
   ``collective(..., bool asyncOp)``, hpp 1155-1164) runs on the current stream itself, with no event
   to wait on and no stash (``ProcessGroupNCCL::collective`` in the .cpp picks the current stream when
-  ``!asyncOp``; torch 2.11 already does);
+  ``!asyncOp``, read at 2.14; the litmus test checks it on the torch it runs on);
 - N4 the future is complete at enqueue, with events recorded on the NCCL stream for its value's
   devices (``ivalue_inl.h`` 955-970, ``Future::markCompleted``); its ``wait()`` makes the current
   stream wait on those events and records the value's device storages for that stream (899-903,
