@@ -8,7 +8,7 @@ that skips one named wait and checks that training then fails. Each wait names t
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager
+from typing import Any, ContextManager, Iterator
 
 import torch
 
@@ -69,3 +69,20 @@ def device_context(device: torch.device) -> ContextManager[Any]:
     if device.type == "cuda":
         return torch.cuda.device(device)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def side_stream(enabled: bool) -> Iterator[None]:
+    """Run the block on a new CUDA stream when ``enabled``, as Lightning's DDP strategies build the
+    wrapper, ordered both ways with the current stream: after the work queued so far (the module's
+    initialization, which construction reads and broadcasts over) and before the work queued after
+    the block (training, which reads what construction wrote). A new stream is ordered with nothing."""
+    if not enabled:
+        yield
+        return
+    current = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        yield
+    current.wait_stream(side)

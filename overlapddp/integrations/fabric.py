@@ -19,6 +19,7 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
 
+from overlapddp.device_streams import side_stream
 from overlapddp.integrations.trainer_strategy import STRATEGY_NAME
 from overlapddp.wrapper import OverlapDDP
 
@@ -39,9 +40,8 @@ class OverlapDDPFabricStrategy(DDPStrategy):
     def setup_module(self, module: nn.Module) -> OverlapDDP:  # type: ignore[override]
         ids = self._determine_ddp_device_ids()
         device_ids: list[int | torch.device] | None = None if ids is None else list(ids)
-        # As Fabric's DDPStrategy does: build the wrapper on a side stream on CUDA.
-        ctx = torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext()
-        with ctx:
+        # As DDPStrategy does: build the wrapper on a side stream on CUDA (ordered with the current one).
+        with side_stream(device_ids is not None):
             return OverlapDDP(module, device_ids=device_ids, **self._ddp_kwargs)
 
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:

@@ -14,12 +14,12 @@ and unwrapping at teardown.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
+from overlapddp.device_streams import side_stream
 from overlapddp.wrapper import OverlapDDP
 
 if TYPE_CHECKING:  # for the type checker only: at run time each package's module supplies the base
@@ -57,9 +57,8 @@ class OverlapDDPStrategySteps(_StrategyBase):
             _check_manual_optimization(self._ddp_kwargs)
         ids = self.determine_ddp_device_ids()
         device_ids: list[int | torch.device] | None = None if ids is None else list(ids)
-        # As DDPStrategy does: build the wrapper on a side stream on CUDA.
-        ctx = torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext()
-        with ctx:
+        # As DDPStrategy does: build the wrapper on a side stream on CUDA (ordered with the current one).
+        with side_stream(device_ids is not None):
             return OverlapDDP(model, device_ids=device_ids, **self._ddp_kwargs)
 
     def _register_ddp_hooks(self) -> None:

@@ -27,7 +27,8 @@ python3 - "$log" <<'PY'
 import collections, re, sys
 
 # Tests without a backend in their name: what each runs on.
-FIXED = {"does_not_sync_the_host": "nccl", "device_ids_alone": "nccl", "event_stamps": "none (no collective)",
+FIXED = {"test_stream_model.py::test_n": "nccl (the stream model's rules)",
+         "test_stream_model.py": "none (the stream model's rules)", "does_not_sync_the_host": "nccl", "device_ids_alone": "nccl", "event_stamps": "none (no collective)",
          "counts_as_done": "none (no collective)", "sparse_gradients_are_bit_equal": "gloo",
          "sparse_gradients_on_nccl": "nccl", "every_wait_has_a_scenario": "none (no collective)"}
 ran = collections.defaultdict(collections.Counter)

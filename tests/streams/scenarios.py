@@ -1,7 +1,8 @@
 """Every CUDA path of OverlapDDP, driven through its public API under the stream model.
 
 Each scenario trains a small model for a few iterations on fake streams (the library's CUDA branch:
-``CudaFence`` with a :class:`~tests.streams.sim.SimKit`, the CUDA token count and clock) and returns
+``CudaFence`` with the package's ``CudaKit`` on the fake ``torch.cuda``, the CUDA token count and
+clock, the pinned copies of the parameter-usage map) and returns
 the detector's findings; an empty list means every read, write and free was ordered. The user's own
 code in a scenario orders what a careful user orders (its forward waits for its last step), never
 what the library promises to order.
@@ -25,9 +26,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 from overlapddp import OverlapDDP
 from overlapddp.tuning.clock import CudaClock
+from overlapddp.device_streams import CudaKit
 from overlapddp.fence import CudaFence
 from tests.streams.backends import simulate
-from tests.streams.sim import Sim, SimKit
+from tests.streams.sim import Sim
 
 CPU = torch.device("cpu")
 BUCKET_MB = 0.0002  # about 200 bytes: a bucket or two per layer of the small model
@@ -80,7 +82,7 @@ def net(width: int = 8) -> nn.Module:
 
 def cuda(sim: Sim, model: OverlapDDP) -> OverlapDDP:
     """Put ``model`` on its CUDA branch: the CUDA fence (and, where used, clock and token count)."""
-    model._reducer.replace_fence(CudaFence(CPU, kit=SimKit(sim)))
+    model._reducer.replace_fence(CudaFence(CPU))
     tuner = getattr(model._reducer._layouts, "_tuner", None)
     if tuner is not None:
         tuner._clock = CudaClock(CPU)
@@ -311,7 +313,7 @@ def _delayed(sim: Sim) -> None:
 @scenario("token weighting")
 def _tokens(sim: Sim) -> None:
     model = wrap(sim)
-    model._reducer.enable_token_weighting()._kit = SimKit(sim)
+    model._reducer.enable_token_weighting()._kit = CudaKit(CPU)
     opt = sgd(model)
     model.attach_optimizer(opt)
     train(sim, model, opt, per_step=lambda i: model.count_tokens(3 + i))
@@ -347,11 +349,11 @@ class _TwoBranches(nn.Module):
         out = self.trunk(x)  # first in forward: its gradients are ready after the branch's
         branch = self.sim.stream("branch")
         branch.wait_stream(self.sim.current)
-        self.sim.record_stream(x, branch, "user")  # the user's x.record_stream(branch)
+        self.sim.record_stream(x, branch)  # the user's x.record_stream(branch)
         with self.sim.use(branch):
             side = self.side(x)
         self.sim.current.wait_stream(branch)
-        self.sim.record_stream(side, self.sim.current, "user")  # the user's side.record_stream(current)
+        self.sim.record_stream(side, self.sim.current)  # the user's side.record_stream(current)
         if side.requires_grad:
             self.sim.autograd.branch_on(side, list(self.side.parameters()), branch)
         return out + side
@@ -390,6 +392,19 @@ def _delayed_two_streams(sim: Sim) -> None:
     train(sim, model, opt)
 
 
+@scenario("delayed all-reduce launched at the end of backward (its hook parameter unused)")
+def _delayed_finish(sim: Sim) -> None:
+    module = _Branchy()
+    delayed = [("trunk.4.weight", module.trunk[4].weight), ("trunk.4.bias", module.trunk[4].bias)]
+    model = wrap(sim, module, delay_all_reduce_named_params=delayed, param_to_hook_all_reduce=module.extra.weight,
+                 find_unused_parameters=True)
+    opt = sgd(model)
+    model.attach_optimizer(opt)
+    # Iteration 1 leaves the hook parameter unused: finalize launches the delayed all-reduce, then finishes it.
+    train(sim, lambda x: model(x, use_extra=sim.context != "iteration 1"), opt, forward="forward",  # type: ignore[arg-type]
+          backward=("backward",))
+
+
 @scenario("find_unused_parameters")
 def _unused(sim: Sim) -> None:
     module = _Branchy()
@@ -397,6 +412,17 @@ def _unused(sim: Sim) -> None:
     opt = sgd(model)
     model.attach_optimizer(opt)
     train(sim, lambda x: model(x, use_extra=sim.context.endswith("1")), opt, steps=3)  # type: ignore[arg-type]
+
+
+@scenario("find_unused_parameters, forward and backward on streams other than the construction one")
+def _unused_other_streams(sim: Sim) -> None:
+    # The reducer holds every AccumulateGrad from construction (on the default stream), so the
+    # gradients are accumulated, and the buckets filled, there, not on forward's stream (A2).
+    model = wrap(sim, _Branchy(), find_unused_parameters=True)
+    opt = sgd(model)
+    model.attach_optimizer(opt)
+    train(sim, lambda x: model(x, use_extra=sim.context.endswith("1")), opt, forward="forward",  # type: ignore[arg-type]
+          backward=("backward",))
 
 
 @scenario("static_graph")
@@ -533,6 +559,151 @@ def _sparse_on_nccl(sim: Sim) -> None:
     raise AssertionError("a sparse gradient on NCCL was not refused at construction")
 
 
+@scenario("join: averaged over the ranks still training")
+def _join_training_ranks(sim: Sim) -> None:
+    model = wrap(sim)
+    opt = sgd(model)
+    model.attach_optimizer(opt)
+    with model.join(divide_by_initial_world_size=False):
+        train(sim, model, opt)
+
+
+class _WithBuffers(nn.Module):
+    """Buffers the forward broadcasts (batch norm), and a branch an iteration can leave unused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(4, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.extra = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
+        h = self.norm(self.first(x))
+        return self.head(h + self.extra(h) if use_extra else h)
+
+
+@scenario("join: a joined rank shadows a second rank still training, with buffers and unused parameters")
+def _join_shadowing(sim: Sim) -> None:
+    model = wrap(sim, _WithBuffers(), find_unused_parameters=True)
+    opt = sgd(model)
+    model.attach_optimizer(opt)
+    with model.join():
+        train(sim, lambda x: model(x, use_extra=sim.context != "iteration 1"), opt, steps=2)  # type: ignore[arg-type]
+    hook = model.join_hook()
+
+    def second_rank(tensor: torch.Tensor, what: str) -> None:
+        if what == "all_reduce" and tensor.numel() == 1 and tensor.dtype in (torch.float32, torch.int64):
+            tensor.fill_(1)  # the "will sync" flag (its backward reduces), the highest rank training (MAX)
+
+    sim.peer = second_rank
+    for i in range(2):  # this rank ran out of inputs: it shadows two of the other rank's iterations
+        sim.context = f"shadowed iteration {i}"
+        hook.main_hook()
+    sim.peer = None
+    sim.context = "after join"
+    hook.post_hook(True)
+    train(sim, model, opt, steps=1)
+
+
+@scenario("no_sync micro-steps, buffers broadcast")
+def _no_sync(sim: Sim) -> None:
+    model = wrap(sim, _WithBuffers())
+    opt = sgd(model)
+    model.attach_optimizer(opt)
+    for i in range(4):
+        sim.context = f"iteration {i}"
+        with sim.use(sim.default):
+            if i % 2 == 0:
+                with model.no_sync():
+                    model(batch(i)).square().sum().backward()
+                continue
+            model(batch(i)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    done(sim)
+
+
+@scenario("fp16_compress_hook with gradient_as_bucket_view, fence log")
+def _fp16_as_view(sim: Sim) -> None:
+    model = wrap(sim, gradient_as_bucket_view=True)
+    model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    log = model.record_fences()
+    opt = sgd(model)
+    model.attach_optimizer(opt)
+    train(sim, model, opt, forward="forward", backward=("backward",))
+    if log.violations():
+        raise AssertionError(log.violations())
+
+
+@scenario("device_ids: inputs in pageable and pinned host memory copied to the device")
+def _device_ids(sim: Sim) -> None:
+    model = wrap(sim)
+    model.device_ids = [0]  # what construction sets for a module on cuda:0 (a CPU module is refused)
+    opt = sgd(model)
+    model.attach_optimizer(opt)
+
+    def host_batch(i: int) -> torch.Tensor:
+        import numpy as np
+
+        on_host = torch.from_numpy(np.random.default_rng(i).standard_normal((3, 4), dtype=np.float32))
+        return on_host.pin_memory() if i % 2 else on_host  # a DataLoader with and without pin_memory=True
+
+    for i in range(3):
+        sim.context = f"iteration {i}"
+        with sim.use(sim.default):
+            model(host_batch(i)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    done(sim)
+
+
+@scenario("optimizer attached with strict=True on another stream is refused")
+def _strict(sim: Sim) -> None:
+    model = wrap(sim)
+    opt = sgd(model)
+    model.attach_optimizer(opt, strict=True)
+    try:
+        train(sim, model, opt, step_on="side", steps=1)
+    except RuntimeError as error:
+        if "made visible to stream" not in str(error):
+            raise
+        return
+    raise AssertionError("a step on another stream than the gradients' was not refused with strict=True")
+
+
+def _framework_scenario(sim: Sim, module_of: Callable[[Any, nn.Module], OverlapDDP], where: Any) -> None:
+    """A strategy builds the wrapper (on a side stream, as on CUDA: device ids are set), then trains on
+    the default stream."""
+    stub = type("Strategy", (), {"_determine_ddp_device_ids": lambda self: [0], "determine_ddp_device_ids":
+                                 lambda self: [0], "_ddp_kwargs": {}})()
+    saved = where.OverlapDDP
+    where.OverlapDDP = lambda module, device_ids=None, **kwargs: wrap(sim, module, **kwargs)  # a CPU module
+    try:
+        with sim.use(sim.default):
+            model = module_of(stub, net())
+    finally:
+        where.OverlapDDP = saved
+    opt = sgd(model)
+    model.attach_optimizer(opt)
+    train(sim, model, opt)
+
+
+@scenario("Fabric strategy: the wrapper built on a side stream")
+def _fabric(sim: Sim) -> None:
+    from overlapddp.integrations import fabric
+
+    _framework_scenario(sim, fabric.OverlapDDPFabricStrategy.setup_module, fabric)
+
+
+@scenario("Trainer strategy: the wrapper built on a side stream")
+def _trainer(sim: Sim) -> None:
+    from overlapddp.integrations import trainer_strategy
+
+    _framework_scenario(sim, trainer_strategy.OverlapDDPStrategySteps._setup_model, trainer_strategy)
+
+
 # -- the CPU path, with gloo's worker thread as a stream ----------------------------------------------------
 
 
@@ -542,6 +713,16 @@ def _gloo_default(sim: Sim) -> None:
     opt = sgd(model)
     model.attach_optimizer(opt)
     train(sim, model, opt)
+
+
+@scenario("gloo: token weighting and find_unused_parameters", backend="gloo")
+def _gloo_tokens(sim: Sim) -> None:
+    model = wrap(sim, _Branchy(), on_cuda=False, find_unused_parameters=True)
+    model._reducer.enable_token_weighting()
+    opt = sgd(model)
+    model.attach_optimizer(opt)
+    train(sim, lambda x: model(x, use_extra=sim.context.endswith("1")), opt,  # type: ignore[arg-type]
+          per_step=lambda i: model.count_tokens(3 + i))
 
 
 class _Sparse(nn.Module):

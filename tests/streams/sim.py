@@ -1,24 +1,43 @@
-"""Fake CUDA streams and events with vector clocks, and a dispatch mode that checks every access.
+"""Fake CUDA streams and events with vector clocks, host memory, and the modes that check every access.
 
 Each stream has a vector clock: its own counter ticks at every access, an event copies the clock of
 the stream it is recorded on, and a wait merges the event's (or the other stream's) clock into the
 waiting stream's. An access by stream ``s`` happens after an access ``(t, n)`` (the ``n``-th access
-of stream ``t``) when ``t`` is ``s`` or ``s``'s clock holds ``t`` at ``n`` or more. The host has a
-clock too: what it has seen finish (an event's ``synchronize``, ``.item()``, a gloo work waited
-on); every stream merges it before each access, since work enqueued after the host saw something
-finish runs after it.
+of stream ``t``) when ``t`` is ``s`` or ``s``'s clock holds ``t`` at ``n`` or more.
+
+The host is a stream too (``host``): its clock is what the host has seen finish (an event's or a
+stream's ``synchronize``, ``torch.cuda.synchronize()``, a blocking copy to the host, a gloo work
+waited on), and every device stream merges it before each access, since work enqueued after the
+host saw something finish (or did something) runs after it.
+
+Memory is tagged where it lives: ``device`` (every tensor by default: the scenarios' CPU tensors
+stand in for CUDA ones), ``pinned`` (``pin_memory=True``, ``.pin_memory()``) or ``host`` (pageable:
+``torch.frombuffer``, ``torch.from_numpy``, the results of host ops). An op whose tensors are all in
+host memory runs on the host stream. A copy between device and host memory runs on the current
+stream; unless it is non-blocking with pinned memory on the host side the host then waits for that
+stream (a blocking copy), except a non-blocking one from pageable memory, whose source the host
+reads at once. Host reads (``.item()``, ``float``/``int``/``bool``, ``.tolist()``, ``.numpy()``,
+``__array__``, ``data_ptr()`` of host memory) of host memory are ordered by the host clock only: a
+stream wait never orders the host. Of device memory they read on the current stream, then the host
+waits for it (``.numpy()`` and ``__array__`` of device memory raise on CUDA, a finding here).
 
 Rules checked (each broken rule is a finding, with both accesses named):
 
-- a read happens after the last write of its storage on every other stream;
+- a read happens after the last write of its storage on every other stream (the host included);
 - a write happens after the last write and every read since, on every other stream;
 - a storage freed on the host was used only by its allocation stream, by streams it was recorded
-  for (``record_stream``), or by accesses its allocation stream is already ordered after (the
-  caching allocator hands a freed block to the next allocation on the allocation stream).
+  for (``record_stream``; for pinned memory, every stream a non-blocking copy used it on, as torch's
+  host allocator records an event there), or by accesses its allocation stream is already ordered
+  after (the caching allocator hands a freed block to the next allocation on the allocation stream;
+  host memory is allocated by the host).
 
 Storages are keyed by identity (the ``StorageImpl``), so views of a flat bucket buffer alias it and
 CPU tensors count; a sparse tensor is its indices and values, plus its own object (gloo's sparse
 all-reduce replaces both inside it).
+
+A :class:`Mutant` changes one call site of the package while a scenario runs (a wait left out, an
+event recorded one access earlier, a host read that does not wait): the sites are found in the
+package's source by ``tools/stream_mutations.py``.
 """
 
 from __future__ import annotations
@@ -32,9 +51,46 @@ from typing import Any, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from overlapddp.device_streams import CudaKit
-
 HOST_SYNCS = {"aten._local_scalar_dense.default"}
+DEVICE, PINNED, HOST = "device", "pinned", "host"
+PACKAGE = "/overlapddp/"
+KIT = "/overlapddp/device_streams.py"
+MODEL = ("/tests/streams/sim.py", "/tests/streams/backends.py")
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One call site of the package changed while a scenario runs.
+
+    ``kind``: ``wait`` (the wait is left out: a stream or event wait, a future's or work's ``wait()``,
+    a ``synchronize``), ``record_stream`` (left out), ``record`` (an event record left out),
+    ``record earlier`` (the event misses the last work queued on its stream), ``host sync`` (a host
+    read of device memory that does not make the host wait). ``path``, ``first``..``last``: the call.
+    """
+
+    kind: str
+    path: str
+    first: int
+    last: int
+    text: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.path}:{self.first} {self.text}"
+
+
+def package_site(depth: int = 1, through_torch: bool = False) -> tuple[str, int] | None:
+    """(path, line) of the first caller in the package, ``depth`` frames up, past the model's own frames
+    and the CUDA kit (whose calls are made for its callers) and, with ``through_torch``, torch's Python
+    code; None when another frame comes first (torch's own code, a test's)."""
+    frame: Any = sys._getframe(depth + 1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if PACKAGE in name and not name.endswith(KIT):
+            return "overlapddp/" + name.rsplit(PACKAGE, 1)[-1], frame.f_lineno
+        if not (name.endswith(KIT) or name.endswith(MODEL) or (through_torch and "/torch/" in name)):
+            return None
+        frame = frame.f_back
+    return None
 
 
 class SimStream:
@@ -46,15 +102,19 @@ class SimStream:
         self.stream_id = name
         self.clock: dict[str, int] = {name: 0}
         self.device = torch.device("cpu")
+        self.op_start = 0  # this stream's own tick before its last op began (an event recorded earlier)
 
     def wait_event(self, event: "SimEvent") -> None:
-        self.sim.wait_event(self, event)
+        if not self.sim.mutated("wait"):
+            self.sim.wait_event(self, event)
 
     def wait_stream(self, other: "SimStream") -> None:
-        self.sim.wait_stream(self, other)
+        if not self.sim.mutated("wait"):
+            self.sim.wait_stream(self, other)
 
     def synchronize(self) -> None:
-        self.sim.host_sees(self.clock)
+        if not self.sim.mutated("wait"):
+            self.sim.host_sees(self.clock)
 
     def __repr__(self) -> str:
         return self.name
@@ -69,18 +129,31 @@ class SimEvent:
 
     def record(self, stream: SimStream | None = None) -> None:
         stream = stream or self.sim.current
+        if self.sim.mutated("record"):
+            return
         self.sim.merge_host(stream)
         self.clock = dict(stream.clock)
+        if self.sim.mutated("record earlier"):
+            self.clock[stream.name] = stream.op_start  # as if recorded before the last op queued on the stream
 
     def wait(self, stream: SimStream | None = None) -> None:
-        self.sim.wait_event(stream or self.sim.current, self)
+        if not self.sim.mutated("wait"):
+            self.sim.wait_event(stream or self.sim.current, self)
 
     def synchronize(self) -> None:
-        if self.clock is not None:
+        if self.clock is not None and not self.sim.mutated("wait"):
             self.sim.host_sees(self.clock)
 
+    def query(self) -> bool:
+        return True
+
     def elapsed_time(self, other: "SimEvent") -> float:
-        return 1.0  # milliseconds; the model has no timing
+        """1 ms (the model has no timing); on CUDA both events must be recorded and complete, or it
+        raises (``cudaEventElapsedTime``: not ready, or an invalid handle)."""
+        for event in (self, other):
+            if event.clock is None or any(self.sim.host.get(s, 0) < t for s, t in event.clock.items()):
+                self.sim._find("elapsed_time of an event the host has not seen complete, which raises on CUDA")
+        return 1.0
 
 
 @dataclass
@@ -93,41 +166,51 @@ class Access:
 @dataclass
 class StorageRecord:
     label: str
-    alloc: str  # the stream the storage was allocated on
+    alloc: str  # the stream the storage was allocated on (``host`` for host memory)
+    place: str = DEVICE  # device, pinned or host memory
     last_write: Access | None = None
     reads: dict[str, Access] = field(default_factory=dict)  # the latest read per stream since the last write
     used: dict[str, Access] = field(default_factory=dict)  # the latest access per stream, ever
     recorded: set[str] = field(default_factory=set)  # streams record_stream named
 
 
-def _site(depth: int) -> tuple[str, int, str]:
-    """The (file, line, function) of a caller ``depth`` frames up, for mutation sites and messages."""
-    frame = sys._getframe(depth + 1)
-    return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
-
-
 class Sim:
-    """Streams, events, the host's clock, every storage's accesses, and the findings so far.
+    """Streams, events, the host, every storage's accesses, and the findings so far.
 
-    ``skip_waits`` names waits of ``device_streams.WAITS`` to leave out; ``skip_records`` names
-    ``record_stream`` call sites (``path:line``) to leave out: the mutation matrix's mutants.
+    ``mutant``: the one call site changed in this run (the mutation matrix), or None.
     """
 
-    def __init__(self, skip_waits: frozenset[str] = frozenset(), skip_records: frozenset[str] = frozenset()) -> None:
-        self.skip_waits = skip_waits
-        self.skip_records = skip_records
+    def __init__(self, mutant: Mutant | None = None) -> None:
+        self.mutant = mutant
         self.streams: dict[str, SimStream] = {}
         self.default = self.stream("default")
+        self.host_stream = self.stream(HOST)
+        self.host = self.host_stream.clock  # what the host has seen finish, and its own accesses
         self._stack: list[SimStream] = [self.default]
-        self.host: dict[str, int] = {}
         self.records: dict[int, StorageRecord] = {}
         self.findings: list[str] = []
         self.context = ""  # what the scenario is doing, for messages
-        self.record_sites: set[str] = set()  # record_stream call sites that ran
+        self.sites: set[tuple[str, str, int]] = set()  # (kind, path, line) of each mutable call that ran
         self._labels = 0
         self.autograd: Any = None  # the engine's model, while simulating (backends.AutogradModel)
         self.frees_on_current = False  # CPU threads free memory themselves (set by the gloo model)
+        # A fake second rank: called with each collective's tensor and name after the one-rank result,
+        # to change it as the other rank's contribution would (a joined rank's peer still training).
+        self.peer: Any = None
         self._names: dict[str, int] = {}
+
+    # -- mutation sites ---------------------------------------------------------------------------
+
+    def mutated(self, kind: str) -> bool:
+        """Note the package call site that made the model's caller act as run; whether this run's mutant
+        changes it."""
+        site = package_site(1, through_torch=kind == "host sync")
+        if site is None:
+            return False
+        self.sites.add((kind, *site))
+        mutant = self.mutant
+        return mutant is not None and mutant.kind == kind and mutant.path == site[0] and \
+            mutant.first <= site[1] <= mutant.last
 
     # -- streams and clocks ---------------------------------------------------------------------
 
@@ -153,7 +236,8 @@ class Sim:
             self._stack.pop()
 
     def merge_host(self, stream: SimStream) -> None:
-        _merge(stream.clock, self.host)
+        if stream is not self.host_stream:
+            _merge(stream.clock, self.host)
 
     def tick(self, stream: SimStream) -> int:
         self.merge_host(stream)
@@ -172,7 +256,9 @@ class Sim:
         _merge(self.host, clock)
 
     def synchronize(self) -> None:
-        for stream in self.streams.values():
+        if self.mutated("wait"):
+            return
+        for stream in list(self.streams.values()):
             self.host_sees(stream.clock)
 
     @staticmethod
@@ -196,24 +282,41 @@ class Sim:
         storage = tensor.untyped_storage()
         return [(storage._cdata, storage, "storage")]
 
-    def _record(self, key: int, owner: Any, kind: str, what: str) -> StorageRecord:
+    def place(self, tensor: torch.Tensor) -> str:
+        """Where ``tensor``'s memory lives: device (the default), pinned or host."""
+        parts = self.parts(tensor)
+        record = self.records.get(parts[-1][0]) if parts else None
+        return record.place if record is not None else DEVICE
+
+    def _record(self, key: int, owner: Any, kind: str, what: str, stream: SimStream | None = None,
+                place: str | None = None) -> StorageRecord:
         record = self.records.get(key)
         if record is None:
             self._labels += 1
-            label = f"{kind} #{self._labels} (from {what} on {self.current.name})"
-            record = self.records[key] = StorageRecord(label, self.current.name)
+            stream = stream or self.current
+            where = "" if place in (None, DEVICE) else f"{place} memory "
+            label = f"{where}{kind} #{self._labels} (from {what} on {stream.name})"
+            record = self.records[key] = StorageRecord(label, stream.name, place or DEVICE)
             weakref.finalize(owner, self._freed, key, record)
         return record
 
+    def tag(self, tensor: torch.Tensor, place: str, what: str) -> None:
+        """``tensor`` is new host (or pinned) memory, made by ``what`` on the host."""
+        for key, owner, kind in self.parts(tensor):
+            record = self._record(key, owner, kind, what, self.host_stream, place)
+            record.place, record.alloc = place, HOST
+
     def access(self, tensor: torch.Tensor, write: bool, what: str, stream: SimStream | None = None,
-               allocates: bool = False, metadata: bool = False) -> None:
+               allocates: bool = False, metadata: bool = False, place: str | None = None) -> None:
         """One access of ``tensor`` by ``what`` on ``stream``; ``metadata``: only a sparse tensor's own
-        object is read (a view of its indices or values)."""
+        object is read (a view of its indices or values); ``place``: where new memory lives."""
         stream = stream or self.current
         for key, owner, kind in self.parts(tensor)[:1] if metadata else self.parts(tensor):
-            record = self._record(key, owner, kind, what)
+            record = self._record(key, owner, kind, what, stream, place)
             if allocates:
                 record.alloc = stream.name
+                if place is not None:
+                    record.place = place
             tick = self.tick(stream)
             here = Access(stream.name, tick, what)
             if record.last_write is not None and not self._after(stream, record.last_write):
@@ -229,9 +332,18 @@ class Sim:
                 record.reads[stream.name] = here
             record.used[stream.name] = here
 
-    def record_stream(self, tensor: torch.Tensor, stream: SimStream, site: str) -> None:
-        self.record_sites.add(site)
-        if site in self.skip_records:
+    def host_read(self, tensor: torch.Tensor, what: str) -> None:
+        """The host reads ``tensor``'s values: host memory on the host clock; device memory through a
+        blocking copy on the current stream, which the host then waits for."""
+        if self.place(tensor) == DEVICE:
+            self.access(tensor, False, what)
+            if not self.mutated("host sync"):
+                self.host_sees(self.current.clock)
+        else:
+            self.access(tensor, False, what, self.host_stream)
+
+    def record_stream(self, tensor: torch.Tensor, stream: SimStream) -> None:
+        if self.mutated("record_stream"):
             return
         for key, owner, kind in self.parts(tensor):
             self._record(key, owner, kind, "record_stream").recorded.add(stream.name)
@@ -241,10 +353,18 @@ class Sim:
         for key, owner, kind in self.parts(tensor):
             self._record(key, owner, kind, "collective").recorded.add(stream.name)
 
+    def release(self, tensor: torch.Tensor, stream: SimStream) -> None:
+        """A backend stops keeping ``tensor`` for ``stream`` (NCCL's stash, released at ``work.wait()``)."""
+        for key, _, _ in self.parts(tensor):
+            record = self.records.get(key)
+            if record is not None:
+                record.recorded.discard(stream.name)
+
     def _freed(self, key: int, record: StorageRecord) -> None:
         """CUDA: the block goes back to its allocation stream's pool, reused once every stream it was
-        recorded for reaches where it is now. CPU (``frees_on_current``): freed by the current thread, or
-        by the last of the backend's workers that kept it."""
+        recorded for reaches where it is now. Host memory: the host's (pinned blocks wait for the copies'
+        events too). CPU (``frees_on_current``): freed by the current thread, or by the last of the
+        backend's workers that kept it."""
         if self.records.get(key) is record:
             del self.records[key]
         first = self.current if self.frees_on_current else self.stream(record.alloc)
@@ -281,12 +401,17 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+PIN = {"aten._pin_memory.default", "aten.pin_memory.default"}
+
+
 class Accesses(TorchDispatchMode):
-    """Records each op's reads and writes, from its schema, on the current fake stream.
+    """Records each op's reads and writes, from its schema, on the stream it runs on.
 
     An argument marked written (``Tensor(a!)``) is written; one that only aliases (a view) is not
     accessed; any other tensor argument is read; a fresh output is written where it is allocated.
-    ``.item()`` reads, then the host sees the current stream finish.
+    An op on host memory only runs on the host; a copy between device and host memory is a device
+    access of both (see the module docstring for when the host waits). ``.item()`` is a host read.
+    Pinned memory is plain CPU memory here: ``pin_memory`` is a host copy tagged pinned.
     """
 
     def __init__(self, sim: Sim) -> None:
@@ -294,14 +419,31 @@ class Accesses(TorchDispatchMode):
         self.sim = sim
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        schema = func._schema
+        kwargs = dict(kwargs or {})
+        sim = self.sim
         name = str(func)
+        if name == "aten.is_pinned.default":
+            return sim.place(args[0]) == PINNED
+        if name in PIN:
+            sim.access(args[0], False, name, sim.host_stream)
+            out = args[0].clone()
+            sim.access(out, True, name, sim.host_stream, allocates=True, place=PINNED)
+            return out
+        if name in HOST_SYNCS:
+            sim.host_read(args[0], name)
+            return func(*args, **kwargs)
+        pinned_output = bool(kwargs.get("pin_memory"))
+        if pinned_output:
+            kwargs["pin_memory"] = False  # a CPU build without a driver cannot pin; the tag is the model
+        schema = func._schema
         reads: list[torch.Tensor] = []
         writes: list[torch.Tensor] = []
         views: list[torch.Tensor] = []
+        non_blocking = False
         for i, arg in enumerate(schema.arguments):
             value = args[i] if i < len(args) else kwargs.get(arg.name)
+            if arg.name == "non_blocking":
+                non_blocking = bool(value)
             tensors = _tensors(value)
             if not tensors:
                 continue
@@ -312,62 +454,95 @@ class Accesses(TorchDispatchMode):
                 reads += tensors
             else:
                 views += [t for t in tensors if t.layout == torch.sparse_coo]
+        places = {sim.place(t) for t in reads + writes + views}
+        sim.current.op_start = sim.current.clock.get(sim.current.name, 0)
+        stream, out_place, host_waits, source_on_host = sim.current, None, False, False
+        if pinned_output:
+            stream, out_place = sim.host_stream, PINNED
+        elif places and DEVICE not in places:
+            stream, out_place = sim.host_stream, HOST  # a CPU op: the host runs it, now
+        elif DEVICE in places and len(places) > 1 and name == "aten.copy_.default":
+            host_side = sim.place(writes[0]) if sim.place(writes[0]) != DEVICE else sim.place(reads[0])
+            to_device = sim.place(writes[0]) == DEVICE
+            if host_side == PINNED and non_blocking:
+                for tensor in reads + writes:  # torch's host allocator records an event for the copy's stream
+                    if sim.place(tensor) == PINNED:
+                        for key, owner, kind in sim.parts(tensor):
+                            sim._record(key, owner, kind, name).recorded.add(stream.name)
+            elif to_device and non_blocking:
+                source_on_host = True  # pageable memory is staged by the host when the copy is queued
+            else:
+                host_waits = True  # a blocking copy: torch synchronizes the stream
         for tensor in reads:
-            self.sim.access(tensor, False, name)
+            on_host = source_on_host and sim.place(tensor) != DEVICE
+            sim.access(tensor, False, name, sim.host_stream if on_host else stream)
         for tensor in views:
-            self.sim.access(tensor, False, name, metadata=True)
+            sim.access(tensor, False, name, stream, metadata=True)
         out = func(*args, **kwargs)
         for tensor in writes:
-            self.sim.access(tensor, True, name)
+            sim.access(tensor, True, name, stream)
         results = out if isinstance(out, (list, tuple)) else (out,)
         for ret, result in zip(schema.returns, results, strict=False):
             if ret.alias_info is None:
                 for tensor in _tensors(result):
-                    self.sim.access(tensor, True, name, allocates=True)
-        if name in HOST_SYNCS:
-            self.sim.host_sees(self.sim.current.clock)
+                    sim.access(tensor, True, name, stream, allocates=True, place=out_place)
+        if host_waits:
+            sim.host_sees(stream.clock)
         return out
 
 
-class SimKit(CudaKit):
-    """The CUDA kit on fake streams: waits the mutation leaves out are skipped, and each
-    ``record_stream`` is noted with its call site."""
+class HostReads:
+    """The host reads that reach no operator on a CPU tensor, as patches of ``torch.Tensor``'s methods
+    (a function mode would be off inside backward, which torch's ``backward`` hands to it):
+    ``tolist``, ``numpy``, ``__array__`` and ``data_ptr`` (of host memory: whoever takes the address
+    reads through it); and ``Tensor.to`` a device of host memory, a copy to the device that the CPU
+    stand-in would skip."""
+
+    METHODS = ("tolist", "numpy", "__array__", "data_ptr", "to")
 
     def __init__(self, sim: Sim) -> None:
-        super().__init__(torch.device("cpu"))
         self.sim = sim
+        self.real = {name: getattr(torch.Tensor, name) for name in self.METHODS}
 
-    def new_stream(self, high_priority: bool = False) -> Any:
-        caller = _site(1)[0].rsplit("/", 1)[-1].removesuffix(".py")
-        return self.sim.new_stream({"fence": "comm", "token_weighting": "tokens"}.get(caller, caller))
+    def patches(self) -> list[tuple[Any, str, Any]]:
+        """(torch.Tensor, method, replacement) for each method."""
+        return [(torch.Tensor, name, self._method(name)) for name in self.METHODS]
 
-    def new_event(self) -> Any:
-        return SimEvent(self.sim)
+    def _method(self, name: str) -> Any:
+        real = self.real[name]
 
-    def current_stream(self) -> Any:
-        return self.sim.current
+        def method(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if name == "to":
+                return self._to(real, tensor, *args, **kwargs)
+            device = self.sim.place(tensor) == DEVICE
+            if name in ("numpy", "__array__") and device and package_site(1) is not None:
+                self.sim._find(f"{name}() of device memory, which raises on CUDA (copy it to the host first)")
+            if not (name == "data_ptr" and device):
+                self.sim.host_read(tensor, f"Tensor.{name}")
+            return real(tensor, *args, **kwargs)
 
-    def use(self, stream: Any) -> Any:
-        return self.sim.use(stream)
+        return method
 
-    def wait_event(self, stream: Any, event: Any, edge: str) -> None:
-        if edge not in self.sim.skip_waits:
-            self.sim.wait_event(stream, event)
+    def _to(self, real: Any, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        target = kwargs.get("device", args[0] if args else None)
+        if self.sim.place(tensor) == DEVICE or not isinstance(target, (torch.device, str, int)) or len(args) > 1 \
+                or not set(kwargs) <= {"device", "non_blocking"}:
+            return real(tensor, *args, **kwargs)
+        return self._to_device(tensor, bool(kwargs.get("non_blocking", False)))
 
-    def wait_stream(self, stream: Any, other: Any, edge: str) -> None:
-        if edge not in self.sim.skip_waits:
-            self.sim.wait_stream(stream, other)
-
-    def wait_future(self, future: torch.futures.Future, edge: str) -> Any:
-        if edge in self.sim.skip_waits:
-            return future.value()  # the host has the value; no stream is ordered after the collective
-        return future.wait()
-
-    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
-        path, line, _ = _site(1)
-        self.sim.record_stream(tensor, stream, f"{_relative(path)}:{line}")
-
-
-def _relative(path: str) -> str:
-    marker = "/overlapddp/"
-    return "overlapddp/" + path.rsplit(marker, 1)[-1] if marker in path else path
+    def _to_device(self, tensor: torch.Tensor, non_blocking: bool) -> torch.Tensor:
+        """``tensor.to(device)`` of host memory: the rules of a copy (see the module docstring)."""
+        sim = self.sim
+        pinned = sim.place(tensor) == PINNED
+        stream = sim.current
+        reader = stream if pinned or not non_blocking else sim.host_stream  # pageable: staged by the host now
+        sim.access(tensor, False, "Tensor.to (to the device)", reader)
+        if pinned and non_blocking:
+            for key, owner, kind in sim.parts(tensor):
+                sim._record(key, owner, kind, "Tensor.to").recorded.add(stream.name)
+        with _disable_current_modes():
+            out = tensor.clone()
+        sim.access(out, True, "Tensor.to (to the device)", stream, allocates=True, place=DEVICE)
+        if not non_blocking:
+            sim.host_sees(stream.clock)
+        return out
