@@ -1,0 +1,126 @@
+"""Sharded optimizer (``attach_optimizer(opt, shard=True)``): bit-equal to DDP + the same optimizer.
+
+One spawn per world size runs the whole matrix: after every step, every parameter and buffer
+(``torch.equal``) and every optimizer state tensor of the consolidated state dict are compared with
+stock DDP's and its plain optimizer's. Refusals run on one rank, before any collective.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from overlapddp import OverlapDDP
+from overlapddp.testing import delay_communication, unfenced
+from tests import models
+from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
+
+STEPS = 4  # DDP's bucket rebuild comes after the first: the state moves to the new shards once
+
+
+def _sgd(params: Any, foreach: bool = False) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-2, nesterov=True, foreach=foreach)
+
+
+def _two_groups(params: Any) -> torch.optim.Optimizer:
+    """Weights and biases in two groups with different lr and weight decay."""
+    params = list(params)
+    weights = [p for p in params if p.dim() > 1]
+    others = [p for p in params if p.dim() <= 1]
+    return torch.optim.AdamW([{"params": weights}, {"params": others, "lr": 3e-3, "weight_decay": 0.0}],
+                             lr=1e-3, weight_decay=0.1)
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    optimizer: Callable[[Any], torch.optim.Optimizer]
+    ddp_kwargs: dict[str, Any] = field(default_factory=dict)
+    accumulate: int = 1  # micro-batches per step, all but the last under no_sync()
+    scheduler: bool = False  # an LR scheduler that changes lr every step
+
+
+CASES = {
+    "sgd_momentum_wd_nesterov": Case("transformer", _sgd),
+    "sgd_foreach": Case("transformer", functools.partial(_sgd, foreach=True)),
+    "sgd_plain_batched_copy": Case("mlp", lambda ps: torch.optim.SGD(ps, lr=0.1), {"batched_grad_copy": True}),
+    "adam": Case("transformer", lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=1e-2, foreach=False)),
+    "adam_foreach_amsgrad": Case("transformer", lambda ps: torch.optim.Adam(ps, lr=1e-3, amsgrad=True, foreach=True)),
+    "adamw": Case("transformer", lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=False)),
+    "adamw_foreach": Case("transformer", lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True)),
+    "two_groups_scheduler": Case("transformer", _two_groups, scheduler=True),
+    "frozen_parameter": Case("cnn_frozen", _sgd),
+    "find_unused_adam": Case("branchy", lambda ps: torch.optim.Adam(ps, lr=1e-2), {"find_unused_parameters": True}),
+    "no_sync_adamw": Case("transformer", lambda ps: torch.optim.AdamW(ps, lr=1e-3), accumulate=2),
+}
+QUICK = ("sgd_momentum_wd_nesterov", "adam")  # the cases a planted bug is run against
+
+
+def _equal_state(ours: dict[str, Any], theirs: dict[str, Any]) -> bool:
+    """Optimizer state dicts equal: the same groups, the same entries, every tensor ``torch.equal``."""
+    if ours["param_groups"] != theirs["param_groups"] or ours["state"].keys() != theirs["state"].keys():
+        return False
+    for index, entry in theirs["state"].items():
+        mine = ours["state"][index]
+        if mine.keys() != entry.keys():
+            return False
+        for key, value in entry.items():
+            same = torch.equal(mine[key], value) if isinstance(value, torch.Tensor) else mine[key] == value
+            if not same:
+                return False
+    return True
+
+
+def _run_case(rank: int, case: Case, fault: str | None) -> list[tuple[bool, bool]]:
+    """Train DDP and the sharded wrapper side by side; per step, (parameters equal, state equal)."""
+    kwargs = {"bucket_cap_mb": 0.01, **case.ddp_kwargs}  # several buckets, parameters cut by shards
+    ddp = DistributedDataParallel(models.build(case.model), **kwargs)
+    ours = OverlapDDP(models.build(case.model), **kwargs)
+    ddp_opt = case.optimizer([p for p in ddp.parameters()])
+    our_opt = case.optimizer([p for p in ours.parameters()])
+    sharded = ours.attach_optimizer(our_opt, shard=True)
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (ddp_opt, our_opt)
+                  if case.scheduler]
+    equal = []
+    for step in range(STEPS):
+        for wrapper, opt in ((ddp, ddp_opt), (ours, our_opt)):
+            for micro in range(case.accumulate):
+                inputs, target = models.batch(case.model, rank, step * case.accumulate + micro)
+                last = micro == case.accumulate - 1
+                wrapper.require_backward_grad_sync = last
+                if fault == "unfenced" and wrapper is ours:
+                    with delay_communication(ours, 1, 0.05), unfenced(ours):
+                        models.loss_of(wrapper(inputs), target).backward()
+                else:
+                    models.loss_of(wrapper(inputs), target).backward()
+            opt.step()
+            opt.zero_grad()
+        for scheduler in schedulers:
+            scheduler.step()
+        if fault != "no_gather_wait":
+            sharded.gather_parameters()
+        params_equal = all(torch.equal(a, b) for a, b in zip(ddp.state_dict().values(), ours.state_dict().values(),
+                                                             strict=True))
+        equal.append((params_equal, _equal_state(our_opt.state_dict(), ddp_opt.state_dict())))
+    return equal
+
+
+def _matrix(rank: int, world_size: int, names: tuple[str, ...], fault: str | None) -> dict[str, list]:
+    return {name: _run_case(rank, CASES[name], fault) for name in names}
+
+
+@functools.cache
+def outcomes(world_size: int) -> list[dict[str, list]]:
+    return run_ranks(world_size, _matrix, tuple(CASES), None, timeout_s=SLOW_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_sharded_updates_are_bit_equal_to_ddp_and_the_same_optimizer(world_size):
+    for rank, results in enumerate(outcomes(world_size)):
+        for case, equal in results.items():
+            assert equal == [(True, True)] * STEPS, f"rank {rank} {case}: (params, state) per step {equal}"
