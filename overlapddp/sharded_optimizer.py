@@ -23,9 +23,10 @@ format (consolidated with one all-gather; loaded by slicing, no collective).
 
 from __future__ import annotations
 
+import functools
 import types
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -89,6 +90,10 @@ class ShardedOptimizer:
         # All-gather of each updated bucket: (work, gathered flat parameters). Produced by the update
         # in finalize, waited on by gather_parameters (the next forward's pre-hook at the latest).
         self._gathers: dict[int, tuple[Any, torch.Tensor]] = {}
+        # Starts one bucket's all-gather (gathered, shard) -> work; overlapddp.testing delays it.
+        self.gather_start: Callable[[torch.Tensor, torch.Tensor], Any] = functools.partial(
+            all_gather_flat, group=self._group, async_op=True
+        )
         self._futures = WorkFutures()  # gloo's reduce-scatter has no future of its own
         self._holds_state = False  # whether any shard has optimizer state (equal on every rank)
         self._stepped_at = 0  # reducer.reductions that the user's step() has acknowledged
@@ -173,7 +178,7 @@ class ShardedOptimizer:
         for view in state.pieces:
             view.grad = None
         gathered = torch.empty(state.shard.padded_length, dtype=state.params.dtype, device=state.params.device)
-        self._gathers[index] = (all_gather_flat(gathered, state.params, group=self._group, async_op=True), gathered)
+        self._gathers[index] = (self.gather_start(gathered, state.params), gathered)
 
     def _piece_gradient(self, piece: Piece, reduced: torch.Tensor, written: bool) -> torch.Tensor | None:
         """The gradient DDP's optimizer would see for this piece: the reduced one, or for a parameter no

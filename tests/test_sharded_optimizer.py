@@ -8,6 +8,7 @@ stock DDP's and its plain optimizer's. Refusals run on one rank, before any coll
 from __future__ import annotations
 
 import functools
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -16,7 +17,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
-from overlapddp.testing import delay_communication, unfenced
+from overlapddp.testing import delay_communication, delay_parameter_gathers, unfenced
 from tests import models
 from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
 
@@ -58,7 +59,9 @@ CASES = {
     "find_unused_adam": Case("branchy", lambda ps: torch.optim.Adam(ps, lr=1e-2), {"find_unused_parameters": True}),
     "no_sync_adamw": Case("transformer", lambda ps: torch.optim.AdamW(ps, lr=1e-3), accumulate=2),
 }
-QUICK = ("sgd_momentum_wd_nesterov", "adam")  # the cases a planted bug is run against
+QUICK = ("sgd_momentum_wd_nesterov", "adam")  # the cases run with a delayed rank
+DELAYS = ("reduce_scatter", "gather")  # rank 1 launches late: its reduce-scatters, or its all-gathers
+DELAY_S = 0.05
 
 
 def _equal_state(ours: dict[str, Any], theirs: dict[str, Any]) -> bool:
@@ -76,8 +79,12 @@ def _equal_state(ours: dict[str, Any], theirs: dict[str, Any]) -> bool:
     return True
 
 
-def _run_case(rank: int, case: Case, fault: str | None) -> list[tuple[bool, bool]]:
-    """Train DDP and the sharded wrapper side by side; per step, (parameters equal, state equal)."""
+def _run_case(rank: int, case: Case, delay: str | None, unfenced_reads: bool = False) -> list[tuple[bool, bool]]:
+    """Train DDP and the sharded wrapper side by side; per step, (parameters equal, state equal).
+
+    ``delay``: rank 1 launches its reduce-scatters or its all-gathers late; ``unfenced_reads`` (with
+    the reduce-scatter delay) lets the update read each shard without waiting for it: the bug the
+    fence prevents, which the comparison must see."""
     kwargs = {"bucket_cap_mb": 0.01, **case.ddp_kwargs}  # several buckets, parameters cut by shards
     ddp = DistributedDataParallel(models.build(case.model), **kwargs)
     ours = OverlapDDP(models.build(case.model), **kwargs)
@@ -93,30 +100,34 @@ def _run_case(rank: int, case: Case, fault: str | None) -> list[tuple[bool, bool
                 inputs, target = models.batch(case.model, rank, step * case.accumulate + micro)
                 last = micro == case.accumulate - 1
                 wrapper.require_backward_grad_sync = last
-                if fault == "unfenced" and wrapper is ours:
-                    with delay_communication(ours, 1, 0.05), unfenced(ours):
-                        models.loss_of(wrapper(inputs), target).backward()
-                else:
+                with ExitStack() as delayed:
+                    if wrapper is ours and delay == "reduce_scatter":
+                        delayed.enter_context(delay_communication(ours, 1, DELAY_S))
+                    if wrapper is ours and delay == "gather":
+                        delayed.enter_context(delay_parameter_gathers(sharded, 1, DELAY_S))
+                    if wrapper is ours and unfenced_reads:
+                        delayed.enter_context(unfenced(ours))
                     models.loss_of(wrapper(inputs), target).backward()
             opt.step()
             opt.zero_grad()
         for scheduler in schedulers:
             scheduler.step()
-        if fault != "no_gather_wait":
-            sharded.gather_parameters()
         params_equal = all(torch.equal(a, b) for a, b in zip(ddp.state_dict().values(), ours.state_dict().values(),
                                                              strict=True))
         equal.append((params_equal, _equal_state(our_opt.state_dict(), ddp_opt.state_dict())))
     return equal
 
 
-def _matrix(rank: int, world_size: int, names: tuple[str, ...], fault: str | None) -> dict[str, list]:
-    return {name: _run_case(rank, CASES[name], fault) for name in names}
+def _matrix(rank: int, world_size: int) -> dict[str, list]:
+    results = {name: _run_case(rank, case, None) for name, case in CASES.items()}
+    for delay in DELAYS:
+        results |= {f"{name}/delayed {delay}": _run_case(rank, CASES[name], delay) for name in QUICK}
+    return results
 
 
 @functools.cache
 def outcomes(world_size: int) -> list[dict[str, list]]:
-    return run_ranks(world_size, _matrix, tuple(CASES), None, timeout_s=SLOW_TIMEOUT_S)
+    return run_ranks(world_size, _matrix, timeout_s=SLOW_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("world_size", (2, 3))
@@ -124,3 +135,12 @@ def test_sharded_updates_are_bit_equal_to_ddp_and_the_same_optimizer(world_size)
     for rank, results in enumerate(outcomes(world_size)):
         for case, equal in results.items():
             assert equal == [(True, True)] * STEPS, f"rank {rank} {case}: (params, state) per step {equal}"
+
+
+def _unfenced_updates(rank: int, world_size: int) -> list[list[tuple[bool, bool]]]:
+    return [_run_case(rank, CASES[name], "reduce_scatter", unfenced_reads=True) for name in QUICK]
+
+
+def test_comparison_catches_an_update_that_reads_its_shard_before_the_reduce_scatter_completed():
+    for rank, results in enumerate(run_ranks(2, _unfenced_updates)):
+        assert all(not all(params for params, _ in equal) for equal in results), f"rank {rank}: {results}"
