@@ -44,6 +44,7 @@ class Case:
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)
     accumulate: int = 1  # micro-batches per step, all but the last under no_sync()
     scheduler: bool = False  # an LR scheduler that changes lr every step
+    attach_after: int = 0  # steps the optimizer takes unsharded before it is attached (then resharded)
 
 
 CASES = {
@@ -58,6 +59,7 @@ CASES = {
     "frozen_parameter": Case("cnn_frozen", _sgd),
     "find_unused_adam": Case("branchy", lambda ps: torch.optim.Adam(ps, lr=1e-2), {"find_unused_parameters": True}),
     "no_sync_adamw": Case("transformer", lambda ps: torch.optim.AdamW(ps, lr=1e-3), accumulate=2),
+    "resharded_after_two_steps": Case("transformer", lambda ps: torch.optim.Adam(ps, lr=1e-3), attach_after=2),
 }
 QUICK = ("sgd_momentum_wd_nesterov", "adam")  # the cases run with a delayed rank
 DELAYS = ("reduce_scatter", "gather")  # rank 1 launches late: its reduce-scatters, or its all-gathers
@@ -90,11 +92,13 @@ def _run_case(rank: int, case: Case, delay: str | None, unfenced_reads: bool = F
     ours = OverlapDDP(models.build(case.model), **kwargs)
     ddp_opt = case.optimizer([p for p in ddp.parameters()])
     our_opt = case.optimizer([p for p in ours.parameters()])
-    sharded = ours.attach_optimizer(our_opt, shard=True)
+    sharded = ours.attach_optimizer(our_opt, shard=True) if case.attach_after == 0 else None
     schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (ddp_opt, our_opt)
                   if case.scheduler]
     equal = []
     for step in range(STEPS):
+        if step == case.attach_after and sharded is None:
+            sharded = ours.attach_optimizer(our_opt, shard=True)
         for wrapper, opt in ((ddp, ddp_opt), (ours, our_opt)):
             for micro in range(case.accumulate):
                 inputs, target = models.batch(case.model, rank, step * case.accumulate + micro)
@@ -103,7 +107,7 @@ def _run_case(rank: int, case: Case, delay: str | None, unfenced_reads: bool = F
                 with ExitStack() as delayed:
                     if wrapper is ours and delay == "reduce_scatter":
                         delayed.enter_context(delay_communication(ours, 1, DELAY_S))
-                    if wrapper is ours and delay == "gather":
+                    if wrapper is ours and delay == "gather" and sharded is not None:
                         delayed.enter_context(delay_parameter_gathers(sharded, 1, DELAY_S))
                     if wrapper is ours and unfenced_reads:
                         delayed.enter_context(unfenced(ours))
@@ -144,3 +148,73 @@ def _unfenced_updates(rank: int, world_size: int) -> list[list[tuple[bool, bool]
 def test_comparison_catches_an_update_that_reads_its_shard_before_the_reduce_scatter_completed():
     for rank, results in enumerate(run_ranks(2, _unfenced_updates)):
         assert all(not all(params for params, _ in equal) for equal in results), f"rank {rank}: {results}"
+
+
+# -- refusals: on one rank, before any collective --------------------------------------------------
+
+
+class _AdamSubclass(torch.optim.Adam):
+    """A subclass may change the update (e.g. a trust ratio per tensor): refused like any unknown class."""
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda ps: torch.optim.LBFGS(ps), "LBFGS cannot be sharded.*elementwise"),
+    (lambda ps: torch.optim.Adagrad(ps), "Adagrad cannot be sharded"),
+    (lambda ps: _AdamSubclass(ps), "_AdamSubclass cannot be sharded.*not subclasses"),
+    (lambda ps: torch.optim.Adam(ps, fused=True), "parameter group 0 has fused=True"),
+    (lambda ps: torch.optim.SGD(list(ps)[1:], lr=0.1), r"Parameters 0\.weight receive reduced gradients"),
+    (lambda ps: torch.optim.SGD([*ps, torch.nn.Parameter(torch.zeros(3))], lr=0.1), "not the model's"),
+])
+def test_optimizers_that_cannot_be_sharded_are_refused_by_name(one_rank, make, match):
+    model = OverlapDDP(models.build("mlp"))
+    with pytest.raises(ValueError, match=match):
+        model.attach_optimizer(make(model.parameters()), shard=True)
+
+
+@pytest.mark.parametrize("options, kwargs, match", [
+    ({"overlap": True}, {}, "cannot be combined with overlap"),
+    ({"max_grad_norm": 1.0}, {}, "cannot be combined with max_grad_norm"),
+    ({"scaler": torch.amp.GradScaler("cpu")}, {}, "cannot be combined with scaler"),
+    ({"allow_unsynced": True}, {}, "cannot be combined with allow_unsynced"),
+    ({}, {"gradient_as_bucket_view": True}, "cannot be combined with gradient_as_bucket_view"),
+    ({}, {"bucket_plan": "tuned"}, "cannot be combined with tuned_plan"),
+    ({}, {"skip_all_reduce_unused_params": True}, "cannot be combined with skip_all_reduce_unused_params"),
+])
+def test_combinations_that_cannot_work_are_refused_by_name(one_rank, options, kwargs, match):
+    model = OverlapDDP(models.build("mlp"), **kwargs)
+    with pytest.raises(ValueError, match=match):
+        model.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), shard=True, **options)
+
+
+def test_mixed_precision_and_comm_hooks_are_refused_either_way_round(one_rank):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    mixed = OverlapDDP(models.build("mlp"), mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="cannot be combined with mixed_precision"):
+        mixed.attach_optimizer(torch.optim.SGD(mixed.parameters(), lr=0.1), shard=True)
+    hooked = OverlapDDP(models.build("mlp"))
+    hooked.register_comm_hook(None, allreduce_hook)
+    with pytest.raises(ValueError, match="communication hook allreduce_hook"):
+        hooked.attach_optimizer(torch.optim.SGD(hooked.parameters(), lr=0.1), shard=True)
+    sharded = OverlapDDP(models.build("mlp"))
+    sharded.attach_optimizer(torch.optim.SGD(sharded.parameters(), lr=0.1), shard=True)
+    with pytest.raises(RuntimeError, match="once a sharded optimizer is attached"):
+        sharded.register_comm_hook(None, allreduce_hook)
+    with pytest.raises(RuntimeError, match="already attached"):
+        sharded.attach_optimizer(torch.optim.SGD(sharded.parameters(), lr=0.1), shard=True)
+    with pytest.raises(ValueError, match="join.. cannot be used with a sharded optimizer"):
+        sharded.join()
+
+
+def test_step_without_a_synchronized_backward_raises(one_rank):
+    model = OverlapDDP(models.build("mlp"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.attach_optimizer(opt, shard=True)
+    with pytest.raises(RuntimeError, match="none has run since the last step"):
+        opt.step()
+    inputs, target = models.batch("mlp", 0, 0)
+    models.loss_of(model(inputs), target).backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match="none has run since the last step"):
+        opt.step()
