@@ -50,7 +50,6 @@ _INCOMPATIBLE = {
     "tuned_plan": "bucket_plan='tuned' models an all-reduce and a copy into param.grad, not a reduce-scatter, "
     "an update and an all-gather",
     "skip_all_reduce_unused_params": "a skipped bucket's local gradients would need a local, unsharded update",
-    "max_grad_norm": "clipping needs the global norm before any update; not supported with shard=True yet",
     "scaler": "a GradScaler must see every gradient before any update (found Inf/NaN); not supported with shard=True",
     "allow_unsynced": "a step on local gradients would update each rank's shard with different gradients",
 }

@@ -67,9 +67,18 @@ class _BucketShardState:
 class ShardedOptimizer:
     """Runs ``optimizer``'s update on this rank's shard of each bucket as soon as it is reduced."""
 
-    def __init__(self, reducer: Reducer, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self, reducer: Reducer, module: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None
+    ) -> None:
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm!r}.")
         self._reducer = reducer
         self.optimizer = optimizer
+        # Clipping: the updates wait for the global norm, summed from every rank's pieces (see _clip).
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm: torch.Tensor | None = None  # the total norm of the last synchronized backward
+        self._squares: list[torch.Tensor] = []  # per reduced bucket: the sum of squares of this rank's pieces
+        self._waiting: list[int] = []  # buckets reduced, their update waiting for the norm
         self._group = reducer.process_group
         self.world_size, self.rank = self._group.size(), reducer.rank
         self._params = reducer.params
@@ -106,6 +115,7 @@ class ShardedOptimizer:
             module.register_state_dict_pre_hook(lambda _module, _prefix, _keep_vars: self.gather_parameters()),
         ]
         reducer.set_sharded(self._reduce_scatter, self._bucket_reduced)
+        reducer.set_reduction_callbacks(None, self._all_reduced)
         if stepped is not None:  # resharded: the state it has is cut into this rank's pieces
             optimizer.state.clear()
             self.load_state_dict(stepped)
@@ -166,6 +176,41 @@ class ShardedOptimizer:
         for slot, param in enumerate(members):
             if written[slot]:
                 self._params[param].grad = None  # the reduced gradient lives in the shards only
+        if self.max_grad_norm is None:
+            self._update(index)
+            return
+        with torch.no_grad():  # this bucket's share of the norm, while later buckets still reduce
+            grads = [view.grad for view in state.pieces if view.grad is not None]
+            self._squares += [torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in grads]
+        self._waiting.append(index)
+
+    def _all_reduced(self) -> None:
+        """After the last bucket: with clipping, the global norm, then every waiting update in order."""
+        if self.max_grad_norm is None:
+            return
+        self._clip(self.max_grad_norm)
+        for index in self._waiting:
+            self._update(index)
+        self._waiting = []
+
+    def _clip(self, max_norm: float) -> None:
+        """Scale every piece's gradient as ``clip_grad_norm_`` would, with the norm of all gradients: the
+        sum of squares of each rank's pieces (in float64), summed over ranks, its root rounded once."""
+        first = self._buckets[0].grads
+        local = torch.stack(self._squares).sum() if self._squares else torch.zeros((), dtype=torch.float64)
+        self._squares = []
+        dist.all_reduce(local, group=self._group)
+        total = local.sqrt().to(first.dtype)
+        self.last_grad_norm = total
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        grads = [view.grad for state in self._buckets for view in state.pieces if view.grad is not None]
+        with torch.no_grad():
+            for grad in grads:
+                grad.mul_(coefficient.to(grad.device))
+
+    def _update(self, index: int) -> None:
+        """Update this rank's pieces of bucket ``index`` (their gradients set), then launch its all-gather."""
+        state = self._buckets[index]
         with torch.no_grad():
             if state.pieces:
                 current = [_piece_of(self._params[piece.param], piece) for piece in state.shard.pieces]

@@ -398,7 +398,6 @@ class OverlapDDP(nn.Module, Joinable):
             ignored=frozenset(self.parameters_to_ignore),
             options={
                 "overlap": switches["overlap"],
-                "max_grad_norm": switches["max_grad_norm"] is not None,
                 "scaler": switches["scaler"] is not None and switches["scaler"].is_enabled(),
                 "allow_unsynced": switches["allow_unsynced"],
                 "mixed_precision": self._mixed_precision is not None,
@@ -411,7 +410,7 @@ class OverlapDDP(nn.Module, Joinable):
             comm_hook=None if registered is None else getattr(registered[1], "__qualname__", repr(registered[1])),
         )
         check_shardable(optimizer, request)
-        return ShardedOptimizer(self._reducer, self.module, optimizer)
+        return ShardedOptimizer(self._reducer, self.module, optimizer, switches["max_grad_norm"])
 
     def record_fences(self) -> FenceLog:
         """Start recording every fence edge (a debug option); ``log.violations()`` checks their order."""

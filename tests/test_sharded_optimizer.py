@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import pytest
 import torch
@@ -45,6 +45,7 @@ class Case:
     accumulate: int = 1  # micro-batches per step, all but the last under no_sync()
     scheduler: bool = False  # an LR scheduler that changes lr every step
     attach_after: int = 0  # steps the optimizer takes unsharded before it is attached (then resharded)
+    clip: float | None = None  # max_grad_norm (small enough that every step clips)
 
 
 CASES = {
@@ -59,9 +60,12 @@ CASES = {
     "frozen_parameter": Case("cnn_frozen", _sgd),
     "find_unused_adam": Case("branchy", lambda ps: torch.optim.Adam(ps, lr=1e-2), {"find_unused_parameters": True}),
     "no_sync_adamw": Case("transformer", lambda ps: torch.optim.AdamW(ps, lr=1e-3), accumulate=2),
+    "clipped_sgd": Case("transformer", _sgd, clip=0.05),
+    "clipped_adamw_two_groups": Case("transformer", _two_groups, clip=0.05),
     "resharded_after_two_steps": Case("transformer", lambda ps: torch.optim.Adam(ps, lr=1e-3), attach_after=2),
 }
 QUICK = ("sgd_momentum_wd_nesterov", "adam")  # the cases run with a delayed rank
+NORM_ULPS = 2  # the clipping norm from the shards is within this many ulps of clip_grad_norm_'s (see docs)
 DELAYS = ("reduce_scatter", "gather")  # rank 1 launches late: its reduce-scatters, or its all-gathers
 DELAY_S = 0.05
 
@@ -81,8 +85,19 @@ def _equal_state(ours: dict[str, Any], theirs: dict[str, Any]) -> bool:
     return True
 
 
-def _run_case(rank: int, case: Case, delay: str | None, unfenced_reads: bool = False) -> list[tuple[bool, bool]]:
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many float32 values lie between ``a`` and ``b`` (both positive)."""
+    return abs(int(a.float().view(torch.int32)) - int(b.float().view(torch.int32)))
+
+
+def _run_case(
+    rank: int, case: Case, delay: str | None, unfenced_reads: bool = False, norm_ulps: list[int] | None = None
+) -> list[tuple[bool, bool]]:
     """Train DDP and the sharded wrapper side by side; per step, (parameters equal, state equal).
+
+    With clipping, DDP's gradients are clipped by torch's ``clip_grads_with_norm_`` with the norm the
+    shards found (so the rest must be bit-equal), and that norm's distance in ulps from
+    ``get_total_norm`` of DDP's gradients (what ``clip_grad_norm_`` uses) goes to ``norm_ulps``.
 
     ``delay``: rank 1 launches its reduce-scatters or its all-gathers late; ``unfenced_reads`` (with
     the reduce-scatter delay) lets the update read each shard without waiting for it: the bug the
@@ -92,14 +107,14 @@ def _run_case(rank: int, case: Case, delay: str | None, unfenced_reads: bool = F
     ours = OverlapDDP(models.build(case.model), **kwargs)
     ddp_opt = case.optimizer([p for p in ddp.parameters()])
     our_opt = case.optimizer([p for p in ours.parameters()])
-    sharded = ours.attach_optimizer(our_opt, shard=True) if case.attach_after == 0 else None
+    sharded = ours.attach_optimizer(our_opt, shard=True, max_grad_norm=case.clip) if case.attach_after == 0 else None
     schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (ddp_opt, our_opt)
                   if case.scheduler]
     equal = []
     for step in range(STEPS):
         if step == case.attach_after and sharded is None:
             sharded = ours.attach_optimizer(our_opt, shard=True)
-        for wrapper, opt in ((ddp, ddp_opt), (ours, our_opt)):
+        for wrapper, opt in ((ours, our_opt), (ddp, ddp_opt)):
             for micro in range(case.accumulate):
                 inputs, target = models.batch(case.model, rank, step * case.accumulate + micro)
                 last = micro == case.accumulate - 1
@@ -112,6 +127,11 @@ def _run_case(rank: int, case: Case, delay: str | None, unfenced_reads: bool = F
                     if wrapper is ours and unfenced_reads:
                         delayed.enter_context(unfenced(ours))
                     models.loss_of(wrapper(inputs), target).backward()
+            if wrapper is ddp and case.clip is not None:
+                grads = [p.grad for p in ddp.parameters() if p.grad is not None]
+                theirs, used = torch.nn.utils.get_total_norm(grads), sharded.last_grad_norm
+                cast(list, norm_ulps).append(_ulps(used, theirs))
+                torch.nn.utils.clip_grads_with_norm_(ddp.parameters(), case.clip, used)
             opt.step()
             opt.zero_grad()
         for scheduler in schedulers:
@@ -123,7 +143,12 @@ def _run_case(rank: int, case: Case, delay: str | None, unfenced_reads: bool = F
 
 
 def _matrix(rank: int, world_size: int) -> dict[str, list]:
-    results = {name: _run_case(rank, case, None) for name, case in CASES.items()}
+    results: dict[str, list] = {}
+    for name, case in CASES.items():
+        ulps: list[int] = []
+        results[name] = _run_case(rank, case, None, norm_ulps=ulps)
+        if case.clip is not None:
+            results[f"{name}/norm ulps"] = ulps
     for delay in DELAYS:
         results |= {f"{name}/delayed {delay}": _run_case(rank, CASES[name], delay) for name in QUICK}
     return results
@@ -138,7 +163,10 @@ def outcomes(world_size: int) -> list[dict[str, list]]:
 def test_sharded_updates_are_bit_equal_to_ddp_and_the_same_optimizer(world_size):
     for rank, results in enumerate(outcomes(world_size)):
         for case, equal in results.items():
-            assert equal == [(True, True)] * STEPS, f"rank {rank} {case}: (params, state) per step {equal}"
+            if case.endswith("/norm ulps"):
+                assert len(equal) == STEPS and max(equal) <= NORM_ULPS, f"rank {rank} {case}: {equal}"
+            else:
+                assert equal == [(True, True)] * STEPS, f"rank {rank} {case}: (params, state) per step {equal}"
 
 
 def _unfenced_updates(rank: int, world_size: int) -> list[list[tuple[bool, bool]]]:
