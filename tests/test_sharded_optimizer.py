@@ -14,6 +14,7 @@ from typing import Any, Callable, cast
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
@@ -85,6 +86,11 @@ def _equal_state(ours: dict[str, Any], theirs: dict[str, Any]) -> bool:
     return True
 
 
+def _equal_modules(ddp: Any, ours: Any) -> bool:
+    """Every parameter and buffer ``torch.equal`` (our ``state_dict()`` completes the all-gathers first)."""
+    return all(torch.equal(a, b) for a, b in zip(ddp.state_dict().values(), ours.state_dict().values(), strict=True))
+
+
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     """How many float32 values lie between ``a`` and ``b`` (both positive)."""
     return abs(int(a.float().view(torch.int32)) - int(b.float().view(torch.int32)))
@@ -136,10 +142,59 @@ def _run_case(
             opt.zero_grad()
         for scheduler in schedulers:
             scheduler.step()
-        params_equal = all(torch.equal(a, b) for a, b in zip(ddp.state_dict().values(), ours.state_dict().values(),
-                                                             strict=True))
-        equal.append((params_equal, _equal_state(our_opt.state_dict(), ddp_opt.state_dict())))
+        equal.append((_equal_modules(ddp, ours), _equal_state(our_opt.state_dict(), ddp_opt.state_dict())))
     return equal
+
+
+def _train_and_compare(rank: int, ddp: Any, ddp_opt: Any, ours: Any, our_opt: Any, steps: range) -> list:
+    """Train both from where they are for ``steps``; per step, (parameters equal, state equal)."""
+    equal = []
+    for step in steps:
+        inputs, target = models.batch("transformer", rank, step)
+        for wrapper, opt in ((ours, our_opt), (ddp, ddp_opt)):
+            models.loss_of(wrapper(inputs), target).backward()
+            opt.step()
+            opt.zero_grad()
+        equal.append((_equal_modules(ddp, ours), _equal_state(our_opt.state_dict(), ddp_opt.state_dict())))
+    return equal
+
+
+def _wrapped(group: Any, state: dict[str, Any] | None) -> tuple[Any, Any, Any, Any]:
+    """DDP with a plain AdamW and OverlapDDP with a sharded one, on ``group``; with ``state``, resumed
+    from it: the plain optimizer loads the sharded run's consolidated state, the sharded one DDP's."""
+    ddp = DistributedDataParallel(models.build("transformer"), bucket_cap_mb=0.01, process_group=group)
+    ours = OverlapDDP(models.build("transformer"), bucket_cap_mb=0.01, process_group=group)
+    ddp_opt, our_opt = _two_groups(ddp.parameters()), _two_groups(ours.parameters())
+    ours.attach_optimizer(our_opt, shard=True)
+    if state is not None:
+        ddp.module.load_state_dict(state["model"])
+        ours.module.load_state_dict(state["model"])
+        ddp_opt.load_state_dict(state["sharded"])
+        our_opt.load_state_dict(state["plain"])
+    return ddp, ddp_opt, ours, our_opt
+
+
+def _checkpoint(ddp: Any, ddp_opt: Any, our_opt: Any) -> dict[str, Any]:
+    return {"model": ddp.module.state_dict(), "plain": ddp_opt.state_dict(), "sharded": our_opt.state_dict()}
+
+
+def _resume_across_world_sizes(rank: int) -> dict[str, list]:
+    """At 3 ranks: train on ranks 0 and 1 (a 2-rank group), resume all 3 from the consolidated
+    checkpoint, then resume ranks 0 and 1 from the 3-rank checkpoint; every step compared with DDP."""
+    pair = dist.new_group([0, 1])
+    results, shared = {}, [None]
+    if rank < 2:
+        ddp, ddp_opt, ours, our_opt = _wrapped(pair, None)
+        results["2 ranks"] = _train_and_compare(rank, ddp, ddp_opt, ours, our_opt, range(2))
+        shared = [_checkpoint(ddp, ddp_opt, our_opt)]
+    dist.broadcast_object_list(shared, src=0)
+    ddp, ddp_opt, ours, our_opt = _wrapped(None, shared[0])
+    results["2 -> 3 ranks"] = _train_and_compare(rank, ddp, ddp_opt, ours, our_opt, range(2, 5))
+    shared = [_checkpoint(ddp, ddp_opt, our_opt)]
+    if rank < 2:
+        ddp, ddp_opt, ours, our_opt = _wrapped(pair, shared[0])
+        results["3 -> 2 ranks"] = _train_and_compare(rank, ddp, ddp_opt, ours, our_opt, range(5, 8))
+    return results
 
 
 def _matrix(rank: int, world_size: int) -> dict[str, list]:
@@ -151,6 +206,8 @@ def _matrix(rank: int, world_size: int) -> dict[str, list]:
             results[f"{name}/norm ulps"] = ulps
     for delay in DELAYS:
         results |= {f"{name}/delayed {delay}": _run_case(rank, CASES[name], delay) for name in QUICK}
+    if world_size == 3:
+        results |= {f"resume {k}": v for k, v in _resume_across_world_sizes(rank).items()}
     return results
 
 
@@ -166,7 +223,17 @@ def test_sharded_updates_are_bit_equal_to_ddp_and_the_same_optimizer(world_size)
             if case.endswith("/norm ulps"):
                 assert len(equal) == STEPS and max(equal) <= NORM_ULPS, f"rank {rank} {case}: {equal}"
             else:
-                assert equal == [(True, True)] * STEPS, f"rank {rank} {case}: (params, state) per step {equal}"
+                assert equal and set(equal) == {(True, True)}, f"rank {rank} {case}: (params, state) per step {equal}"
+
+
+def test_checkpoints_resume_bit_exact_across_world_sizes_2_and_3():
+    # A plain optimizer loads the sharded run's consolidated state, and the sharded one DDP's.
+    for rank, results in enumerate(outcomes(3)):
+        resumed = {case: equal for case, equal in results.items() if case.startswith("resume")}
+        expected = {"resume 2 -> 3 ranks"} | ({"resume 2 ranks", "resume 3 -> 2 ranks"} if rank < 2 else set())
+        assert resumed.keys() == expected, f"rank {rank}: {sorted(resumed)}"
+        for case, equal in resumed.items():
+            assert set(equal) == {(True, True)}, f"rank {rank} {case}: {equal}"
 
 
 def _unfenced_updates(rank: int, world_size: int) -> list[list[tuple[bool, bool]]]:
@@ -201,7 +268,7 @@ def test_optimizers_that_cannot_be_sharded_are_refused_by_name(one_rank, make, m
 
 @pytest.mark.parametrize("options, kwargs, match", [
     ({"overlap": True}, {}, "cannot be combined with overlap"),
-    ({"max_grad_norm": 1.0}, {}, "cannot be combined with max_grad_norm"),
+    ({"max_grad_norm": 0.0}, {}, "max_grad_norm must be positive"),
     ({"scaler": torch.amp.GradScaler("cpu")}, {}, "cannot be combined with scaler"),
     ({"allow_unsynced": True}, {}, "cannot be combined with allow_unsynced"),
     ({}, {"gradient_as_bucket_view": True}, "cannot be combined with gradient_as_bucket_view"),
