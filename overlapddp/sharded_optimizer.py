@@ -279,16 +279,8 @@ class ShardedOptimizer:
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's state in the unsharded format (what the user's optimizer would return under
         DDP), assembled from every rank's pieces: a collective, call it on every rank."""
-        mine = []
-        for state in self._buckets:
-            if state.inner is None:
-                continue
-            for piece, view in zip(state.shard.pieces, state.pieces, strict=True):
-                entry = state.inner.state.get(view)
-                if entry:
-                    mine.append((piece, dict(entry)))
         everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self._group)
+        dist.all_gather_object(everyone, self.local_state(), group=self._group)
         parts: dict[int, list[tuple[Piece, dict[str, Any]]]] = {}
         for rank_parts in everyone:
             for piece, entry in rank_parts:
@@ -297,11 +289,50 @@ class ShardedOptimizer:
         for param, index in sorted(self._user_index.items(), key=lambda item: item[1]):
             if param in parts:
                 packed[index] = self._assemble(param, parts[param])
+        return {"state": packed, "param_groups": self.packed_groups()}
+
+    def local_state(self) -> list[tuple[Piece, dict[str, Any]]]:
+        """This rank's pieces that have optimizer state, each with its state entry."""
+        mine = []
+        for state in self._buckets:
+            if state.inner is None:
+                continue
+            for piece, view in zip(state.shard.pieces, state.pieces, strict=True):
+                entry = state.inner.state.get(view)
+                if entry:
+                    mine.append((piece, dict(entry)))
+        return mine
+
+    def local_pieces(self) -> list[Piece]:
+        """This rank's pieces of every bucket, in bucket order."""
+        return [piece for state in self._buckets for piece in state.shard.pieces]
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The group the shards are spread over (the wrapper's)."""
+        return self._group
+
+    def param_numel(self, param: int) -> int:
+        """The number of elements of reduced parameter ``param`` (``Piece.param``)."""
+        return self._params[param].numel()
+
+    @property
+    def elementwise_keys(self) -> frozenset[str]:
+        """The state entries that hold one value per element (the rest hold one per parameter)."""
+        return self._elementwise
+
+    @property
+    def param_names(self) -> list[str]:
+        """The reduced parameters' names, indexed as ``Piece.param``."""
+        return list(self._reducer.names)
+
+    def packed_groups(self) -> list[dict[str, Any]]:
+        """The parameter groups as ``Optimizer.state_dict()`` writes them: settings, parameter indices."""
         groups, start = [], 0
         for group in self.optimizer.param_groups:
             groups.append({**_hyperparameters(group), "params": list(range(start, start + len(group["params"])))})
             start += len(group["params"])
-        return {"state": packed, "param_groups": groups}
+        return groups
 
     def _assemble(self, param: int, parts: list[tuple[Piece, dict[str, Any]]]) -> dict[str, Any]:
         """One parameter's unsharded state from its pieces (per-element state stitched, the rest shared)."""
@@ -335,9 +366,23 @@ class ShardedOptimizer:
                 f"The loaded state dict has parameter groups of sizes {[len(g['params']) for g in groups]}, but "
                 f"this optimizer's are {[len(g['params']) for g in ours]}."
             )
+        saved_state = state_dict["state"]
+
+        def sliced(piece: Piece) -> dict[str, Any] | None:
+            entry = saved_state.get(self._user_index[piece.param])
+            return {key: self._slice(key, value, piece) for key, value in entry.items()} if entry else None
+
+        self.install(groups, sliced, bool(saved_state))
+
+    def install(
+        self, groups: list[dict[str, Any]], entry_of: Callable[[Piece], dict[str, Any] | None], any_state: bool
+    ) -> None:
+        """Take the settings of the saved ``groups`` and, for each of this rank's pieces, the state
+        ``entry_of(piece)`` (already cut to the piece; None: no state), as ``load_state_dict`` would.
+        ``any_state``: whether the saved state is not empty (the same on every rank)."""
+        ours = self.optimizer.param_groups
         for group, saved in zip(ours, groups, strict=True):
             group.update(_hyperparameters(saved))
-        saved_state = state_dict["state"]
         for state in self._buckets:
             if state.inner is None:
                 continue
@@ -345,15 +390,14 @@ class ShardedOptimizer:
             order = [view for group in state.inner.param_groups for view in group["params"]]
             inner_state = {}
             for position, view in enumerate(order):
-                piece = piece_of[id(view)]
-                entry = saved_state.get(self._user_index[piece.param])
+                entry = entry_of(piece_of[id(view)])
                 if entry:
-                    inner_state[position] = {key: self._slice(key, value, piece) for key, value in entry.items()}
+                    inner_state[position] = entry
             packed_groups = state.inner.state_dict()["param_groups"]
             for packed, group in zip(packed_groups, ours, strict=True):
                 packed.update(_hyperparameters(group))
             state.inner.load_state_dict({"state": inner_state, "param_groups": packed_groups})
-        self._holds_state = bool(saved_state)
+        self._holds_state = any_state  # decides whether a relayout moves state (a collective): rank-independent
 
     def _slice(self, key: str, value: Any, piece: Piece) -> Any:
         """This piece's part of one saved state entry (per-element), or the entry itself (per-parameter)."""

@@ -35,7 +35,7 @@ LAYERS = [
     # constructor's steps (validate, resolve, synchronize: it reads the nn.Module).
     {"compile_split", "construction"},
     {"sharded_optimizer"},  # the optimizer over each rank's shards; it hooks the wrapped module's forward
-    {"wrapper"},
+    {"wrapper", "sharded_checkpoint"},  # (the checkpoint functions read the sharded optimizer)
     {"testing", "__init__"},
 ]
 # Below the wrapper nothing knows nn.Module or module hooks (the reducer is driven by mark_ready).

@@ -7,7 +7,9 @@ stock DDP's and its plain optimizer's. Refusals run on one rank, before any coll
 
 from __future__ import annotations
 
+import copy
 import functools
+import tempfile
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Callable, cast
@@ -18,6 +20,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
+from overlapddp.sharded_checkpoint import load_sharded, save_sharded
 from overlapddp.testing import delay_communication, delay_parameter_gathers, unfenced
 from tests import models
 from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
@@ -159,45 +162,53 @@ def _train_and_compare(rank: int, ddp: Any, ddp_opt: Any, ours: Any, our_opt: An
     return equal
 
 
-def _wrapped(group: Any, state: dict[str, Any] | None) -> tuple[Any, Any, Any, Any]:
+def _wrapped(group: Any, state: dict[str, Any] | None, sharded_from: str | None = None) -> tuple[Any, Any, Any, Any]:
     """DDP with a plain AdamW and OverlapDDP with a sharded one, on ``group``; with ``state``, resumed
-    from it: the plain optimizer loads the sharded run's consolidated state, the sharded one DDP's."""
+    from it: the plain optimizer loads the sharded run's consolidated state, the sharded one DDP's
+    (or, ``sharded_from``, the DCP checkpoint the sharded run saved there)."""
     ddp = DistributedDataParallel(models.build("transformer"), bucket_cap_mb=0.01, process_group=group)
     ours = OverlapDDP(models.build("transformer"), bucket_cap_mb=0.01, process_group=group)
     ddp_opt, our_opt = _two_groups(ddp.parameters()), _two_groups(ours.parameters())
-    ours.attach_optimizer(our_opt, shard=True)
+    sharded = ours.attach_optimizer(our_opt, shard=True)
     if state is not None:
         ddp.module.load_state_dict(state["model"])
         ours.module.load_state_dict(state["model"])
-        ddp_opt.load_state_dict(state["sharded"])
-        our_opt.load_state_dict(state["plain"])
+        ddp_opt.load_state_dict(copy.deepcopy(state["sharded"]))  # it adopts the tensors, then steps them
+        if sharded_from is None:
+            our_opt.load_state_dict(state["plain"])
+        else:
+            load_sharded(sharded, sharded_from)
     return ddp, ddp_opt, ours, our_opt
 
 
-def _checkpoint(ddp: Any, ddp_opt: Any, our_opt: Any) -> dict[str, Any]:
+def _checkpoint(ddp: Any, ddp_opt: Any, our_opt: Any, sharded_to: str) -> dict[str, Any]:
+    """The consolidated checkpoint (model, DDP's optimizer, ours consolidated); ours also saved with DCP."""
+    save_sharded(our_opt.state_dict.__self__, sharded_to)
     return {"model": ddp.module.state_dict(), "plain": ddp_opt.state_dict(), "sharded": our_opt.state_dict()}
 
 
-def _resume_across_world_sizes(rank: int) -> dict[str, list]:
-    """At 3 ranks: train on ranks 0 and 1 (a 2-rank group), resume all 3 from the consolidated
-    checkpoint, then resume ranks 0 and 1 from the 3-rank checkpoint; every step compared with DDP."""
+def _resume_across_world_sizes(rank: int, folder: str) -> dict[str, list]:
+    """At 3 ranks: train on ranks 0 and 1 (a 2-rank group), resume all 3 from the checkpoint
+    (consolidated, and through DCP), then ranks 0 and 1 from the 3-rank one; every step compared with DDP."""
     pair = dist.new_group([0, 1])
     results, shared = {}, [None]
     if rank < 2:
         ddp, ddp_opt, ours, our_opt = _wrapped(pair, None)
         results["2 ranks"] = _train_and_compare(rank, ddp, ddp_opt, ours, our_opt, range(2))
-        shared = [_checkpoint(ddp, ddp_opt, our_opt)]
+        shared = [_checkpoint(ddp, ddp_opt, our_opt, f"{folder}/two")]
     dist.broadcast_object_list(shared, src=0)
-    ddp, ddp_opt, ours, our_opt = _wrapped(None, shared[0])
-    results["2 -> 3 ranks"] = _train_and_compare(rank, ddp, ddp_opt, ours, our_opt, range(2, 5))
-    shared = [_checkpoint(ddp, ddp_opt, our_opt)]
+    for how, sharded_from in (("", None), (" through dcp", f"{folder}/two")):
+        ddp, ddp_opt, ours, our_opt = _wrapped(None, shared[0], sharded_from)
+        results[f"2 -> 3 ranks{how}"] = _train_and_compare(rank, ddp, ddp_opt, ours, our_opt, range(2, 5))
+    three = _checkpoint(ddp, ddp_opt, our_opt, f"{folder}/three")
     if rank < 2:
-        ddp, ddp_opt, ours, our_opt = _wrapped(pair, shared[0])
-        results["3 -> 2 ranks"] = _train_and_compare(rank, ddp, ddp_opt, ours, our_opt, range(5, 8))
+        for how, sharded_from in (("", None), (" through dcp", f"{folder}/three")):
+            ddp, ddp_opt, ours, our_opt = _wrapped(pair, three, sharded_from)
+            results[f"3 -> 2 ranks{how}"] = _train_and_compare(rank, ddp, ddp_opt, ours, our_opt, range(5, 8))
     return results
 
 
-def _matrix(rank: int, world_size: int) -> dict[str, list]:
+def _matrix(rank: int, world_size: int, folder: str) -> dict[str, list]:
     results: dict[str, list] = {}
     for name, case in CASES.items():
         ulps: list[int] = []
@@ -207,13 +218,14 @@ def _matrix(rank: int, world_size: int) -> dict[str, list]:
     for delay in DELAYS:
         results |= {f"{name}/delayed {delay}": _run_case(rank, CASES[name], delay) for name in QUICK}
     if world_size == 3:
-        results |= {f"resume {k}": v for k, v in _resume_across_world_sizes(rank).items()}
+        results |= {f"resume {k}": v for k, v in _resume_across_world_sizes(rank, folder).items()}
     return results
 
 
 @functools.cache
 def outcomes(world_size: int) -> list[dict[str, list]]:
-    return run_ranks(world_size, _matrix, timeout_s=SLOW_TIMEOUT_S)
+    with tempfile.TemporaryDirectory(prefix="overlapddp-sharded-") as folder:  # the DCP checkpoints
+        return run_ranks(world_size, _matrix, folder, timeout_s=SLOW_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("world_size", (2, 3))
@@ -227,10 +239,13 @@ def test_sharded_updates_are_bit_equal_to_ddp_and_the_same_optimizer(world_size)
 
 
 def test_checkpoints_resume_bit_exact_across_world_sizes_2_and_3():
-    # A plain optimizer loads the sharded run's consolidated state, and the sharded one DDP's.
+    # A plain optimizer loads the sharded run's consolidated state, and the sharded one DDP's, or
+    # its own DCP checkpoint (each rank reading its pieces under the new layout).
     for rank, results in enumerate(outcomes(3)):
         resumed = {case: equal for case, equal in results.items() if case.startswith("resume")}
-        expected = {"resume 2 -> 3 ranks"} | ({"resume 2 ranks", "resume 3 -> 2 ranks"} if rank < 2 else set())
+        expected = {"resume 2 -> 3 ranks", "resume 2 -> 3 ranks through dcp"}
+        if rank < 2:
+            expected |= {"resume 2 ranks", "resume 3 -> 2 ranks", "resume 3 -> 2 ranks through dcp"}
         assert resumed.keys() == expected, f"rank {rank}: {sorted(resumed)}"
         for case, equal in resumed.items():
             assert set(equal) == {(True, True)}, f"rank {rank} {case}: {equal}"
