@@ -147,11 +147,11 @@ class BucketPipeline:
             if shared.shard_sink is not None:  # the reduced shard is the sink's: it updates its parameters
                 shared.shard_sink(self.index, list(write))
                 shared.fence.consumed(self.index, "sharded update")
-            else:
-                result = hook_result(value, shared.reduction.hook_name, self.index, self.storage.buffer)
-                self.storage.copy_out(result, write, as_view=shared.gradient_as_bucket_view)
-                written = [p.grad for p in self.storage.params if p.grad is not None]
-                shared.fence.consumed(self.index, "copy to param.grad", written)
+                return  # (no tuner and no overlapped optimizer with a sharded one)
+            result = hook_result(value, shared.reduction.hook_name, self.index, self.storage.buffer)
+            self.storage.copy_out(result, write, as_view=shared.gradient_as_bucket_view)
+            written = [p.grad for p in self.storage.params if p.grad is not None]
+            shared.fence.consumed(self.index, "copy to param.grad", written)
         if after is not None:
             after(self.storage.params)
         if timing is not None and reduced_at is not None:
