@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence, cast
 
 import torch
 
@@ -43,6 +43,9 @@ class SharedStages:
     names: list[str]  # parameter names, by reducer index
     gradient_as_bucket_view: bool
     check_nonfinite: bool = False  # before each launch (a debug option): see gradient_checks.nonfinite_error
+    # A sharded optimizer's update of one reduced bucket shard (bucket index, which members are written),
+    # replacing the copy into param.grad; its buckets are reduce-scattered over their padded buffers.
+    shard_sink: Callable[[int, list[bool]], None] | None = None
 
 
 class BucketPipeline:
@@ -107,7 +110,8 @@ class BucketPipeline:
             )
             if error is not None:
                 raise error
-        bucket = self.hook_bucket(self.storage.buffer)
+        sharded = shared.shard_sink is not None  # no sparse bucket is sharded
+        bucket = self.hook_bucket(cast(BucketStorage, self.storage).padded if sharded else self.storage.buffer)
         with torch.autograd.profiler.record_function(f"overlapddp.bucket_{self.index}.launch"):
             shared.fence.launch(self.index, lambda: self._start(bucket, timing))
 
@@ -140,6 +144,10 @@ class BucketPipeline:
                 raise self._failed(error) from error
             reduced_at = timing.now() if timing is not None else None
             shared.write_watch.check(self.index)
+            if shared.shard_sink is not None:  # the reduced shard is the sink's: it updates its parameters
+                shared.shard_sink(self.index, list(write))
+                shared.fence.consumed(self.index, "sharded update")
+                return  # (no tuner and no overlapped optimizer with a sharded one)
             result = hook_result(value, shared.reduction.hook_name, self.index, self.storage.buffer)
             self.storage.copy_out(result, write, as_view=shared.gradient_as_bucket_view)
             written = [p.grad for p in self.storage.params if p.grad is not None]

@@ -14,7 +14,7 @@ import torch
 from overlapddp.torch_compat import foreach_copy_, foreach_div_, foreach_mul_
 
 
-def _is_dense_permutation(tensor: torch.Tensor) -> bool:
+def is_dense_permutation(tensor: torch.Tensor) -> bool:
     """True when the tensor covers exactly ``numel`` elements in some dimension order.
 
     Such a parameter keeps its own strides inside the bucket (channels_last stays channels_last).
@@ -31,7 +31,7 @@ def _is_dense_permutation(tensor: torch.Tensor) -> bool:
 
 def strided_view(flat: torch.Tensor, like: torch.Tensor, offset: int) -> torch.Tensor:
     """A view of ``flat`` at ``offset`` with the shape (and, where possible, strides) of ``like``."""
-    if _is_dense_permutation(like):
+    if is_dense_permutation(like):
         return flat.as_strided(like.shape, like.stride(), flat.storage_offset() + offset)
     return flat.narrow(0, offset, like.numel()).view(like.shape)
 
@@ -41,9 +41,11 @@ class BucketStorage:
 
     Produced by the reducer when a plan takes effect; written by ``copy_in`` during backward,
     read by the bucket's collective, and read by ``copy_out`` after the fence says complete.
+    ``pad_to``: the buffer is the head of ``padded``, a multiple of ``pad_to`` long whose tail
+    stays zero (a sharded optimizer's reduce-scatter needs equal shards).
     """
 
-    def __init__(self, index: int, params: Sequence[torch.Tensor]) -> None:
+    def __init__(self, index: int, params: Sequence[torch.Tensor], pad_to: int = 1) -> None:
         first = params[0]
         for param in params:
             if param.device != first.device or param.dtype != first.dtype:
@@ -59,7 +61,10 @@ class BucketStorage:
         for length in self.lengths:
             self.offsets.append(total)
             total += length
-        self.buffer = torch.empty(total, dtype=first.dtype, device=first.device)
+        padding = -total % pad_to
+        self.padded = torch.empty(total + padding, dtype=first.dtype, device=first.device)
+        self.padded[total:].zero_()  # never written again: every write goes through buffer or views
+        self.buffer = self.padded.narrow(0, 0, total) if padding else self.padded
         self.views = [strided_view(self.buffer, p, off) for p, off in zip(params, self.offsets, strict=True)]
 
     def aliases(self, slot: int, grad: torch.Tensor | None) -> bool:
@@ -150,6 +155,6 @@ class BucketStorage:
 
 def _empty_like_param(param: torch.Tensor) -> torch.Tensor:
     """A new gradient tensor with the parameter's strides when it is dense (the gradient layout contract)."""
-    if _is_dense_permutation(param):
+    if is_dense_permutation(param):
         return torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device=param.device)
     return torch.empty(param.shape, dtype=param.dtype, device=param.device)

@@ -25,7 +25,7 @@ from overlapddp.bucket_pipeline import BucketPipeline, SharedStages
 from overlapddp.bucket_plan import BucketCaps, BucketPlan
 from overlapddp.bucket_reduction import BucketReduction
 from overlapddp.bucket_storage import BucketStorage
-from overlapddp.comm_hook import CommHook
+from overlapddp.comm_hook import Bucket, CommHook
 from overlapddp.delayed_reduction import DelayedReduction
 from overlapddp.fence import Fence
 from overlapddp.gradient_checks import GradientWriteWatch
@@ -138,6 +138,9 @@ class Reducer:
         self.after_all_reduced: Callable[[], None] | None = None  # once, when every bucket is written
         # delay_all_reduce_named_params: launched by launch_delayed, completed in finalize.
         self.delayed = delayed
+        # A sharded optimizer (sharded_optimizer.py) pads every bucket's buffer to a multiple of this
+        # (the world size; see set_sharded).
+        self._pad_to = 1
         self._layouts = LayoutLifecycle(self.params, self._sparse_gradient, caps, options)
         self._configure(options)
         self._install_plan(self._layouts.initial_plan())
@@ -182,6 +185,27 @@ class Reducer:
         """The overlapped optimizer's per-bucket update and its end (None, None: detach)."""
         self.after_bucket_reduced, self.after_all_reduced = after_bucket, after_all
 
+    @property
+    def sharded(self) -> bool:
+        """Whether a sharded optimizer reduce-scatters the buckets (see set_sharded)."""
+        return self._shared.shard_sink is not None
+
+    def set_sharded(
+        self, start: Callable[[Bucket], torch.futures.Future], sink: Callable[[int, list[bool]], None]
+    ) -> None:
+        """A sharded optimizer: reduce-scatter each padded bucket with ``start``; once complete, hand the
+        bucket's index and which of its parameters are written (globally used) to ``sink``."""
+        if self.sharded:
+            raise RuntimeError(f"A sharded optimizer is already attached to this model (rank {self.rank}).")
+        if self.state is not ReducerState.IDLE or self.fence.in_flight():
+            raise RuntimeError(
+                f"A sharded optimizer can only be attached between iterations; the reducer is {self.state.value} "
+                f"on rank {self.rank}."
+            )
+        self._shared.reduction.set_shard_start(start)
+        self._pad_to, self._shared.shard_sink = self.process_group.size(), sink
+        self._install_plan(self.plan)  # the same buckets over padded buffers
+
     # -- layout -------------------------------------------------------------------------------
 
     def _install_plan(self, plan: BucketPlan) -> None:
@@ -198,7 +222,7 @@ class Reducer:
         if self._sparse_gradient[members[0]]:
             storage = SparseBucketStorage(index, [self.params[members[0]]], self.names[members[0]])
         else:
-            storage = BucketStorage(index, [self.params[i] for i in members])
+            storage = BucketStorage(index, [self.params[i] for i in members], self._pad_to)
         return BucketPipeline(index, members, storage, self._shared, is_last=index == len(self.plan.buckets) - 1)
 
     @property

@@ -5,6 +5,8 @@ collective is slow, so races hide in local tests. These tools force the slow cas
 
 - :func:`delay_communication` delays one rank's collectives (before launch or before completion),
   or its copy into a bucket or out of it (on CUDA: sleep kernels on the stream that does it);
+- :func:`delay_parameter_gathers` delays one rank's all-gathers of a sharded optimizer's updated
+  parameters, so a forward that read them before they completed would see it;
 - :class:`SynchronousReference` trains the obvious way (backward, reduce every gradient and wait,
   then step), the baseline to compare with;
 - :func:`unfenced` removes the fence (test-only!) so a race test can be shown to fail.
@@ -29,6 +31,7 @@ from torch.futures import Future
 
 from overlapddp.fence import CudaFence, Fence, FenceLog
 from overlapddp.module_sync import broadcast_coalesced
+from overlapddp.sharded_optimizer import ShardedOptimizer
 from overlapddp.torch_compat import cuda_sleep
 from overlapddp.wrapper import OverlapDDP
 
@@ -216,6 +219,28 @@ def delay_communication(model: OverlapDDP, rank: int, seconds: float, stage: str
         yield
     finally:
         model.replace_fence(original)
+
+
+@contextmanager
+def delay_parameter_gathers(sharded: ShardedOptimizer, rank: int, seconds: float) -> Iterator[None]:
+    """Delay rank ``rank``'s launch of each all-gather of updated parameters by ``seconds`` while the
+    block runs: the other ranks' all-gathers complete that much later, so the next forward must wait."""
+    if seconds < 0:
+        raise ValueError(f"seconds must not be negative, got {seconds}.")
+    if sharded.rank != rank:
+        yield
+        return
+    start = sharded.gather_start
+
+    def late(gathered: torch.Tensor, shard: torch.Tensor) -> Any:
+        time.sleep(seconds)
+        return start(gathered, shard)
+
+    sharded.gather_start = late
+    try:
+        yield
+    finally:
+        sharded.gather_start = start
 
 
 @contextmanager

@@ -55,6 +55,14 @@ def group_store(process_group: Any) -> Any | None:
     return entry[1] if isinstance(entry, tuple) and len(entry) == 2 else None
 
 
+# The flat all-gather and reduce-scatter: renamed ``*_single`` (the old names warn of their deprecation).
+all_gather_flat: Callable[..., Any] = getattr(
+    torch.distributed, "all_gather_single", None
+) or torch.distributed.all_gather_into_tensor
+reduce_scatter_flat: Callable[..., Any] = getattr(
+    torch.distributed, "reduce_scatter_single", None
+) or torch.distributed.reduce_scatter_tensor
+
 # -- multi-tensor kernels: one launch per list where torch has them, a loop where it does not -------
 
 

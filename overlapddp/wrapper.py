@@ -34,6 +34,8 @@ from overlapddp.optimizer_overlap import OverlappedOptimizer
 from overlapddp.param_usage import map_tensors, tensors_in
 from overlapddp.pickling import ReducerRecipe, bind_to_default_group, pickled_state, recipe_of
 from overlapddp.reducer import Reducer
+from overlapddp.shard_checks import ShardRequest, check_shardable
+from overlapddp.sharded_optimizer import ShardedOptimizer
 from overlapddp.sync_checks import SyncFlagCheck
 from overlapddp.torch_compat import let_dcp_unwrap, queue_callback, to_kwargs
 
@@ -347,11 +349,12 @@ class OverlapDDP(nn.Module, Joinable):
         optimizer: torch.optim.Optimizer,
         *,
         overlap: bool = False,
+        shard: bool = False,
         max_grad_norm: float | None = None,
         scaler: torch.amp.GradScaler | None = None,
         strict: bool = False,
         allow_unsynced: bool = False,
-    ) -> OptimizerGuard | OverlappedOptimizer:
+    ) -> OptimizerGuard | OverlappedOptimizer | ShardedOptimizer:
         """Guard ``optimizer``: its ``step()`` and ``zero_grad()`` only touch complete, reduced, fresh gradients.
 
         With ``overlap=True`` each bucket's update runs as soon as that bucket is reduced, while later
@@ -361,11 +364,18 @@ class OverlapDDP(nn.Module, Joinable):
         then wait for the last bucket). Keep calling ``scaler.step(optimizer)`` and ``scaler.update()``.
         Without overlap, a ``scaler`` is guarded too: its ``unscale_(optimizer)`` gets the step's checks.
 
+        With ``shard=True`` each rank keeps the optimizer state of its shard of each bucket only (1/N):
+        buckets are reduce-scattered, each shard updated as soon as it is reduced, and the parameters
+        all-gathered before the next forward (SGD, Adam, AdamW; see docs/sharded_optimizer.md).
+
         Example::
 
             >>> guard = model.attach_optimizer(optimizer)
             >>> loss.backward(); optimizer.step()       # raises if a gradient is stale or in flight
         """
+        if shard:
+            return self._attach_sharded(optimizer, overlap=overlap, max_grad_norm=max_grad_norm, scaler=scaler,
+                                        allow_unsynced=allow_unsynced)
         if overlap:
             return OverlappedOptimizer(self._reducer, optimizer, max_grad_norm=max_grad_norm, scaler=scaler)
         if max_grad_norm is not None:
@@ -381,6 +391,30 @@ class OverlapDDP(nn.Module, Joinable):
         """Swap in another fence between iterations, returning the one in force (race-forcing tools
         wrap the real one: ``overlapddp.testing``)."""
         return self._reducer.replace_fence(fence)
+
+    def _attach_sharded(self, optimizer: torch.optim.Optimizer, **switches: Any) -> ShardedOptimizer:
+        """Check everything that decides whether sharding works (no collective), then shard."""
+        options, registered = self._reducer.options, self._reducer.comm_hook
+        request = ShardRequest(
+            params=self._reducer.params,
+            names=self._reducer.names,
+            module_params={id(p): n for n, p in self.module.named_parameters(remove_duplicate=False)},
+            ignored=frozenset(self.parameters_to_ignore),
+            options={
+                "overlap": switches["overlap"],
+                "scaler": switches["scaler"] is not None and switches["scaler"].is_enabled(),
+                "allow_unsynced": switches["allow_unsynced"],
+                "mixed_precision": self._mixed_precision is not None,
+                "gradient_as_bucket_view": options.gradient_as_bucket_view,
+                "delay_all_reduce_named_params": self._reducer.delayed is not None,
+                "sparse_gradients": any(self._reducer.sparse_gradient),
+                "tuned_plan": options.tuned_plan,
+                "skip_all_reduce_unused_params": options.skip_all_reduce_unused_params,
+            },
+            comm_hook=None if registered is None else getattr(registered[1], "__qualname__", repr(registered[1])),
+        )
+        check_shardable(optimizer, request)
+        return ShardedOptimizer(self._reducer, self.module, optimizer, switches["max_grad_norm"])
 
     def record_fences(self) -> FenceLog:
         """Start recording every fence edge (a debug option); ``log.violations()`` checks their order."""
@@ -453,6 +487,11 @@ class OverlapDDP(nn.Module, Joinable):
 
     def join_hook(self, **kwargs: Any) -> OverlapJoinHook:
         """The hook ``Join`` runs on a rank that has run out of inputs."""
+        if self._reducer.sharded:
+            raise ValueError(
+                "join() cannot be used with a sharded optimizer (attach_optimizer(..., shard=True)): a joined rank "
+                "has no gradients to update its shards with, and the others would wait for its all-gathers."
+            )
         if self._reducer.delayed is not None:
             raise ValueError(
                 "join() cannot be used with delay_all_reduce_named_params: a joined rank cannot know where, among "

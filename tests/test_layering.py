@@ -22,18 +22,20 @@ FRAMEWORKS = {"lightning", "pytorch_lightning", "accelerate", "transformers", "r
 LAYERS = [
     {"device_streams", "torch_compat", "tuning.clock", "backend_support", "options"},
     {"bucket_plan", "bucket_storage", "fence", "comm_hook", "param_usage", "token_weighting", "module_sync",
-     "bucket_unscaler", "sparse_reduction", "sync_checks", "progress"},
+     "bucket_unscaler", "sparse_reduction", "sync_checks", "progress",
+     "shard_layout", "work_futures"},
     {"tuning.cost_model", "comm_hook_validation", "timeline", "delayed_reduction", "mixed_precision",
      "tuning.selection", "bucket_reduction", "gradient_checks"},
     {"tuning.tuner", "tuning"},
     # Which layout is in force (initial, DDP's rebuild, tuning, final); how one bucket is reduced.
     {"layout_lifecycle", "bucket_pipeline"},
     {"reducer"},
-    {"optimizer_guard", "optimizer_overlap", "join", "pickling"},
+    {"optimizer_guard", "optimizer_overlap", "join", "pickling", "shard_checks"},
     # The adapter between Dynamo's graphs and the wrapper (it knows fx, not module hooks), and the
     # constructor's steps (validate, resolve, synchronize: it reads the nn.Module).
     {"compile_split", "construction"},
-    {"wrapper"},
+    {"sharded_optimizer"},  # the optimizer over each rank's shards; it hooks the wrapped module's forward
+    {"wrapper", "sharded_checkpoint"},  # (the checkpoint functions read the sharded optimizer)
     {"testing", "__init__"},
 ]
 # Below the wrapper nothing knows nn.Module or module hooks (the reducer is driven by mark_ready).

@@ -1,0 +1,424 @@
+"""Optimizer state sharded across ranks: each rank updates only its shard of each bucket, then the
+updated parameters are all-gathered, and the numbers stay DDP's.
+
+Attached with ``OverlapDDP.attach_optimizer(optimizer, shard=True)``. Per bucket and iteration:
+
+1. *backward*: the bucket is filled exactly as for DDP (each gradient times ``1 / world_size``
+   while copying), padded with zeros to a multiple of the world size (shard_layout.py), and
+   reduce-scattered (SUM) instead of all-reduced, launched when the bucket is complete. With
+   gloo the shard equals, bit for bit, that slice of DDP's all-reduce.
+2. *end of backward* (the reducer's finalize, bucket by bucket as each completes): this rank's
+   pieces of the parameters, views of a flat parameter shard refreshed from the parameters, are
+   updated by an optimizer of the user's class with the user's hyperparameters (mirrored before
+   every update, so LR schedulers act as on the user's optimizer). Its state holds only these
+   pieces: 1/N of DDP's, plus padding. The updated shard's all-gather is launched at once.
+3. *start of the next forward* (a forward pre-hook on the wrapped module; ``model.state_dict()``
+   and :meth:`ShardedOptimizer.gather_parameters` too): every all-gather is completed and copied
+   into the parameters, bucket by bucket in launch order.
+
+The user's optimizer keeps no state: its ``step()`` checks that a synchronized backward updated the
+shards since the last step, and its ``state_dict()`` / ``load_state_dict()`` speak the unsharded
+format (consolidated with one all-gather; loaded by slicing, no collective).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from overlapddp.bucket_plan import BucketPlan
+from overlapddp.comm_hook import Bucket
+from overlapddp.reducer import Reducer
+from overlapddp.shard_checks import ELEMENTWISE_STATE
+from overlapddp.shard_layout import BucketShard, Piece, plan_shards
+from overlapddp.torch_compat import all_gather_flat, foreach_copy_, reduce_scatter_flat
+from overlapddp.work_futures import WorkFutures
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+def memory_flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of a dense tensor's elements in memory order (how its bucket slot holds them)."""
+    return tensor.detach().as_strided((tensor.numel(),), (1,), tensor.storage_offset())
+
+
+@dataclass
+class _BucketShardState:
+    """One bucket's tensors on this rank under the current layout."""
+
+    shard: BucketShard
+    # Reduce-scatter output: written by the collective (launched in backward), read by the update
+    # once the reducer's fence completed the bucket.
+    grads: torch.Tensor
+    # This rank's flat parameter shard: refreshed from the parameters and updated in finalize, read
+    # by the all-gather launched right after.
+    params: torch.Tensor
+    pieces: list[torch.Tensor]  # views of ``params``, one per Piece: the inner optimizer's parameters
+    grad_views: list[torch.Tensor]  # the matching views of ``grads``
+    inner: torch.optim.Optimizer | None  # None when this rank owns only padding of the bucket
+
+
+class ShardedOptimizer:
+    """Runs ``optimizer``'s update on this rank's shard of each bucket as soon as it is reduced."""
+
+    def __init__(
+        self, reducer: Reducer, module: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None
+    ) -> None:
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm!r}.")
+        self._reducer = reducer
+        self.optimizer = optimizer
+        # Clipping: the updates wait for the global norm, summed from every rank's pieces (see _clip).
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm: torch.Tensor | None = None  # the total norm of the last synchronized backward
+        self._squares: list[torch.Tensor] = []  # per reduced bucket: the sum of squares of this rank's pieces
+        self._waiting: list[int] = []  # buckets reduced, their update waiting for the norm
+        self._group = reducer.process_group
+        self.world_size, self.rank = self._group.size(), reducer.rank
+        self._params = reducer.params
+        index_of = {id(p): i for i, p in enumerate(self._params)}
+        # Per reduced parameter: its optimizer group, and its index in the unsharded state dict.
+        self._group_of: dict[int, int] = {}
+        self._user_index: dict[int, int] = {}
+        for position, (g, p) in enumerate((g, p) for g, group in enumerate(optimizer.param_groups)
+                                         for p in group["params"]):
+            if id(p) in index_of:
+                self._group_of[index_of[id(p)]] = g
+                self._user_index[index_of[id(p)]] = position
+        self._elementwise = ELEMENTWISE_STATE[type(optimizer)]
+        stepped = optimizer.state_dict() if optimizer.state else None
+        # The layout the shards follow; rebuilt (state moved along) when the reducer's plan changes.
+        self._plan: BucketPlan = reducer.plan
+        self._buckets = self._build(self._plan)
+        # All-gather of each updated bucket: (work, gathered flat parameters). Produced by the update
+        # in finalize, waited on by gather_parameters (the next forward's pre-hook at the latest).
+        self._gathers: dict[int, tuple[Any, torch.Tensor]] = {}
+        # Starts one bucket's all-gather (gathered, shard) -> work; overlapddp.testing delays it.
+        self.gather_start: Callable[[torch.Tensor, torch.Tensor], Any] = functools.partial(
+            all_gather_flat, group=self._group, async_op=True
+        )
+        self._futures = WorkFutures()  # gloo's reduce-scatter has no future of its own
+        self._holds_state = False  # whether any shard has optimizer state (equal on every rank)
+        self._stepped_at = 0  # reducer.reductions that the user's step() has acknowledged
+        # Bound to the optimizer (an LR scheduler rebinds step's function to it), calling ours.
+        optimizer.step = types.MethodType(lambda _optimizer, closure=None: self._step(closure), optimizer)  # type: ignore[method-assign]
+        optimizer.state_dict = self.state_dict  # type: ignore[method-assign]
+        optimizer.load_state_dict = self.load_state_dict  # type: ignore[method-assign]
+        self._handles = [
+            module.register_forward_pre_hook(lambda _module, _inputs: self._before_forward()),
+            module.register_state_dict_pre_hook(lambda _module, _prefix, _keep_vars: self.gather_parameters()),
+        ]
+        reducer.set_sharded(self._reduce_scatter, self._bucket_reduced)
+        reducer.set_reduction_callbacks(None, self._all_reduced)
+        if stepped is not None:  # resharded: the state it has is cut into this rank's pieces
+            optimizer.state.clear()
+            self.load_state_dict(stepped)
+
+    # -- layout ---------------------------------------------------------------------------------
+
+    def _build(self, plan: BucketPlan) -> list[_BucketShardState]:
+        numels = [p.numel() for p in self._params]
+        return [self._bucket_state(shard) for shard in plan_shards(plan.buckets, numels, self.world_size, self.rank)]
+
+    def _bucket_state(self, shard: BucketShard) -> _BucketShardState:
+        first = self._params[self._plan.buckets[shard.bucket][0]]
+        grads = torch.zeros(shard.shard_length, dtype=first.dtype, device=first.device)
+        params = torch.zeros_like(grads)
+        pieces = [params.narrow(0, piece.shard_offset, piece.length) for piece in shard.pieces]
+        grad_views = [grads.narrow(0, piece.shard_offset, piece.length) for piece in shard.pieces]
+        inner = None
+        if pieces:
+            groups = [{**_hyperparameters(group), "params": []} for group in self.optimizer.param_groups]
+            for piece, view in zip(shard.pieces, pieces, strict=True):
+                groups[self._group_of[piece.param]]["params"].append(view)
+            inner = type(self.optimizer)(groups)  # type: ignore[call-arg]  # SGD, Adam, AdamW take groups alone
+        return _BucketShardState(shard, grads, params, pieces, grad_views, inner)
+
+    def _relayout_if_replanned(self) -> None:
+        """The reducer changed its buckets (DDP's rebuild after the first iteration, a restored layout):
+        move the state into the new shards, through its unsharded form."""
+        if self._reducer.plan is self._plan:
+            return
+        state = self.state_dict() if self._holds_state else None
+        self._plan = self._reducer.plan
+        self._buckets = self._build(self._plan)
+        if state is not None:
+            self.load_state_dict(state)
+
+    # -- the iteration ------------------------------------------------------------------------
+
+    def _reduce_scatter(self, bucket: Bucket) -> torch.futures.Future:
+        """The bucket's collective: a SUM reduce-scatter of the scaled, padded buffer into this rank's shard."""
+        index = bucket.index()
+        state = self._buckets[index]
+        buffer = bucket.buffer()
+        if self._reducer.plan is not self._plan or buffer.numel() != state.shard.padded_length:
+            raise RuntimeError(
+                f"Bucket {index} on rank {self.rank} has {buffer.numel()} elements, but its shard layout expects "
+                f"{state.shard.padded_length}: the buckets changed without a forward in between."
+            )
+        work = reduce_scatter_flat(state.grads, buffer, group=self._group, async_op=True)
+        return self._futures.future_of(work, state.grads)
+
+    def _bucket_reduced(self, index: int, written: list[bool]) -> None:
+        """Bucket ``index``'s shard is reduced: update this rank's pieces, then all-gather them."""
+        state = self._buckets[index]
+        members = self._plan.buckets[index]
+        slot_of = {param: slot for slot, param in enumerate(members)}
+        for piece, view, reduced in zip(state.shard.pieces, state.pieces, state.grad_views, strict=True):
+            view.grad = self._piece_gradient(piece, reduced, written[slot_of[piece.param]])
+        for slot, param in enumerate(members):
+            if written[slot]:
+                self._params[param].grad = None  # the reduced gradient lives in the shards only
+        if self.max_grad_norm is None:
+            self._update(index)
+            return
+        with torch.no_grad():  # this bucket's share of the norm, while later buckets still reduce
+            grads = [view.grad for view in state.pieces if view.grad is not None]
+            self._squares += [torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in grads]
+        self._waiting.append(index)
+
+    def _all_reduced(self) -> None:
+        """After the last bucket: with clipping, the global norm, then every waiting update in order."""
+        if self.max_grad_norm is None:
+            return
+        self._clip(self.max_grad_norm)
+        for index in self._waiting:
+            self._update(index)
+        self._waiting = []
+
+    def _clip(self, max_norm: float) -> None:
+        """Scale every piece's gradient as ``clip_grad_norm_`` would, with the norm of all gradients: the
+        sum of squares of each rank's pieces (in float64), summed over ranks, its root rounded once."""
+        first = self._buckets[0].grads
+        local = torch.stack(self._squares).sum() if self._squares else torch.zeros((), dtype=torch.float64)
+        self._squares = []
+        dist.all_reduce(local, group=self._group)
+        total = local.sqrt().to(first.dtype)
+        self.last_grad_norm = total
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        grads = [view.grad for state in self._buckets for view in state.pieces if view.grad is not None]
+        with torch.no_grad():
+            for grad in grads:
+                grad.mul_(coefficient.to(grad.device))
+
+    def _update(self, index: int) -> None:
+        """Update this rank's pieces of bucket ``index`` (their gradients set), then launch its all-gather."""
+        state = self._buckets[index]
+        with torch.no_grad():
+            if state.pieces:
+                current = [_piece_of(self._params[piece.param], piece) for piece in state.shard.pieces]
+                foreach_copy_(state.pieces, current)  # the parameters are the one source of truth
+            if state.inner is not None:
+                for inner_group, group in zip(state.inner.param_groups, self.optimizer.param_groups, strict=True):
+                    inner_group.update(_hyperparameters(group))
+                state.inner.step()
+                self._holds_state = True
+        for view in state.pieces:
+            view.grad = None
+        gathered = torch.empty(state.shard.padded_length, dtype=state.params.dtype, device=state.params.device)
+        self._gathers[index] = (self.gather_start(gathered, state.params), gathered)
+
+    def _piece_gradient(self, piece: Piece, reduced: torch.Tensor, written: bool) -> torch.Tensor | None:
+        """The gradient DDP's optimizer would see for this piece: the reduced one, or for a parameter no
+        rank used, its untouched local ``.grad`` (None is skipped, as by the optimizer)."""
+        if written:
+            return reduced
+        local = self._params[piece.param].grad
+        if local is None:
+            return None
+        if local.stride() != self._params[piece.param].stride():
+            local = torch.empty_like(self._params[piece.param]).copy_(local)
+        return _piece_of(local, piece)
+
+    def gather_parameters(self) -> None:
+        """Complete every launched all-gather and copy the updated values into the parameters."""
+        for index in sorted(self._gathers):
+            work, gathered = self._gathers.pop(index)
+            work.wait()
+            shard = self._buckets[index].shard
+            members = self._plan.buckets[index]
+            with torch.no_grad():
+                foreach_copy_(
+                    [memory_flat(self._params[i]) for i in members],
+                    [gathered.narrow(0, offset, self._params[i].numel()) for i, offset in
+                     zip(members, shard.offsets, strict=True)],
+                )
+
+    def _before_forward(self) -> None:
+        self.gather_parameters()
+        self._relayout_if_replanned()
+
+    def _step(self, closure: Any = None) -> None:
+        """The updates ran at the end of backward: check that one did since the last step."""
+        if closure is not None:
+            raise NotImplementedError("A sharded optimizer cannot re-evaluate a closure.")
+        if self._reducer.reductions == self._stepped_at:
+            raise RuntimeError(
+                f"optimizer.step() on rank {self.rank}: with shard=True the update runs during a synchronized "
+                "backward, and none has run since the last step (a no_sync backward, or no backward at all)."
+            )
+        self._stepped_at = self._reducer.reductions
+
+    def local_state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (its pieces only)."""
+        return sum(
+            value.numel() * value.element_size()
+            for state in self._buckets if state.inner is not None
+            for entry in state.inner.state.values() for value in entry.values() if isinstance(value, torch.Tensor)
+        )
+
+    # -- the unsharded format -----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state in the unsharded format (what the user's optimizer would return under
+        DDP), assembled from every rank's pieces: a collective, call it on every rank."""
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, self.local_state(), group=self._group)
+        parts: dict[int, list[tuple[Piece, dict[str, Any]]]] = {}
+        for rank_parts in everyone:
+            for piece, entry in rank_parts:
+                parts.setdefault(piece.param, []).append((piece, entry))
+        packed: dict[int, dict[str, Any]] = {}
+        for param, index in sorted(self._user_index.items(), key=lambda item: item[1]):
+            if param in parts:
+                packed[index] = self._assemble(param, parts[param])
+        return {"state": packed, "param_groups": self.packed_groups()}
+
+    def local_state(self) -> list[tuple[Piece, dict[str, Any]]]:
+        """This rank's pieces that have optimizer state, each with its state entry."""
+        mine = []
+        for state in self._buckets:
+            if state.inner is None:
+                continue
+            for piece, view in zip(state.shard.pieces, state.pieces, strict=True):
+                entry = state.inner.state.get(view)
+                if entry:
+                    mine.append((piece, dict(entry)))
+        return mine
+
+    def local_pieces(self) -> list[Piece]:
+        """This rank's pieces of every bucket, in bucket order."""
+        return [piece for state in self._buckets for piece in state.shard.pieces]
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The group the shards are spread over (the wrapper's)."""
+        return self._group
+
+    def param_numel(self, param: int) -> int:
+        """The number of elements of reduced parameter ``param`` (``Piece.param``)."""
+        return self._params[param].numel()
+
+    @property
+    def elementwise_keys(self) -> frozenset[str]:
+        """The state entries that hold one value per element (the rest hold one per parameter)."""
+        return self._elementwise
+
+    @property
+    def param_names(self) -> list[str]:
+        """The reduced parameters' names, indexed as ``Piece.param``."""
+        return list(self._reducer.names)
+
+    def packed_groups(self) -> list[dict[str, Any]]:
+        """The parameter groups as ``Optimizer.state_dict()`` writes them: settings, parameter indices."""
+        groups, start = [], 0
+        for group in self.optimizer.param_groups:
+            groups.append({**_hyperparameters(group), "params": list(range(start, start + len(group["params"])))})
+            start += len(group["params"])
+        return groups
+
+    def _assemble(self, param: int, parts: list[tuple[Piece, dict[str, Any]]]) -> dict[str, Any]:
+        """One parameter's unsharded state from its pieces (per-element state stitched, the rest shared)."""
+        target = self._params[param]
+        covered = sum(piece.length for piece, _ in parts)
+        if covered != target.numel() or any(entry.keys() != parts[0][1].keys() for _, entry in parts):
+            raise RuntimeError(
+                f"The optimizer state of {self._reducer.names[param]} covers {covered} of its {target.numel()} "
+                "elements with differing entries across ranks; its pieces were not all updated alike."
+            )
+        entry: dict[str, Any] = {}
+        for key, value in parts[0][1].items():
+            if key in self._elementwise and isinstance(value, torch.Tensor):
+                whole = torch.empty_strided(target.shape, target.stride(), dtype=value.dtype, device=value.device)
+                for piece, piece_entry in parts:
+                    _piece_of(whole, piece).copy_(piece_entry[key])
+                entry[key] = whole
+            else:
+                entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        return entry
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of the unsharded format (a plain optimizer's under DDP, or
+        :meth:`state_dict`'s): each rank keeps the slices of its pieces. No collective."""
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if not isinstance(groups, list) or "state" not in state_dict:
+            raise ValueError("Expected an optimizer state dict with 'state' and 'param_groups'.")
+        ours = self.optimizer.param_groups
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in ours]:
+            raise ValueError(
+                f"The loaded state dict has parameter groups of sizes {[len(g['params']) for g in groups]}, but "
+                f"this optimizer's are {[len(g['params']) for g in ours]}."
+            )
+        saved_state = state_dict["state"]
+
+        def sliced(piece: Piece) -> dict[str, Any] | None:
+            entry = saved_state.get(self._user_index[piece.param])
+            return {key: self._slice(key, value, piece) for key, value in entry.items()} if entry else None
+
+        self.install(groups, sliced, bool(saved_state))
+
+    def install(
+        self, groups: list[dict[str, Any]], entry_of: Callable[[Piece], dict[str, Any] | None], any_state: bool
+    ) -> None:
+        """Take the settings of the saved ``groups`` and, for each of this rank's pieces, the state
+        ``entry_of(piece)`` (already cut to the piece; None: no state), as ``load_state_dict`` would.
+        ``any_state``: whether the saved state is not empty (the same on every rank)."""
+        ours = self.optimizer.param_groups
+        for group, saved in zip(ours, groups, strict=True):
+            group.update(_hyperparameters(saved))
+        for state in self._buckets:
+            if state.inner is None:
+                continue
+            piece_of = {id(view): piece for piece, view in zip(state.shard.pieces, state.pieces, strict=True)}
+            order = [view for group in state.inner.param_groups for view in group["params"]]
+            inner_state = {}
+            for position, view in enumerate(order):
+                entry = entry_of(piece_of[id(view)])
+                if entry:
+                    inner_state[position] = entry
+            packed_groups = state.inner.state_dict()["param_groups"]
+            for packed, group in zip(packed_groups, ours, strict=True):
+                packed.update(_hyperparameters(group))
+            state.inner.load_state_dict({"state": inner_state, "param_groups": packed_groups})
+        self._holds_state = any_state  # decides whether a relayout moves state (a collective): rank-independent
+
+    def _slice(self, key: str, value: Any, piece: Piece) -> Any:
+        """This piece's part of one saved state entry (per-element), or the entry itself (per-parameter)."""
+        if key not in self._elementwise or not isinstance(value, torch.Tensor):
+            return value.clone() if isinstance(value, torch.Tensor) else value
+        target = self._params[piece.param]
+        if value.shape != target.shape:
+            raise ValueError(
+                f"The loaded state {key!r} of {self._reducer.names[piece.param]} has shape {tuple(value.shape)}, "
+                f"expected {tuple(target.shape)}."
+            )
+        laid_out = torch.empty_strided(target.shape, target.stride(), dtype=value.dtype, device=value.device)
+        laid_out.copy_(value)
+        return _piece_of(laid_out, piece).clone()
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """A parameter group's settings (lr, weight decay, foreach, ...): everything but its parameters."""
+    return {key: value for key, value in group.items() if key != "params"}
+
+
+def _piece_of(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The elements of ``tensor`` (laid out as its parameter) that ``piece`` holds."""
+    return memory_flat(tensor).narrow(0, piece.start, piece.length)
