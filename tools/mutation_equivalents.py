@@ -1,0 +1,42 @@
+"""Which generated mutants cannot change what overlapddp does, and why not?
+
+Each entry names the module and the mutated line before and after (``old => new``, stripped, as
+tools/mutation_run.py prints it), so an entry survives the line moving. A mutant listed here is
+reported as equivalent, not survived; the argument says why no test can tell it apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Equivalent:
+    module: str
+    change: str
+    why: str
+
+
+_STACKLEVEL = (
+    "stacklevel only chooses which frame the warning is attributed to; levels 2, 3 and 4 are all inside "
+    "overlapddp (sync_checks.py, then the reducer, then the wrapper or the reducer's gradient hook), the "
+    "message names the rank and the cause, and warning filters and the once-per-wrapper rule do not read it"
+)
+
+EQUIVALENTS: tuple[Equivalent, ...] = (
+    Equivalent(
+        "overlapddp/comm_hook_validation.py",
+        "return str(self.args[0]) => return str(self.args[ -1])",
+        "the error is raised in one place, with exactly one argument, so args[0] is args[-1]",
+    ),
+    Equivalent(
+        "overlapddp/sync_checks.py",
+        "warnings.warn(message, UserWarning, stacklevel=3) => warnings.warn(message, UserWarning, stacklevel= 4)",
+        _STACKLEVEL,
+    ),
+    Equivalent(
+        "overlapddp/sync_checks.py",
+        "warnings.warn(message, UserWarning, stacklevel=3) => warnings.warn(message, UserWarning, stacklevel= 2)",
+        _STACKLEVEL,
+    ),
+)
