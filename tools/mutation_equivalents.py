@@ -23,7 +23,36 @@ _STACKLEVEL = (
     "message names the rank and the cause, and warning filters and the once-per-wrapper rule do not read it"
 )
 
+_EMPTY = (
+    "inspect's empty marker is a class that only equals itself, and annotations compare by identity "
+    "or as strings, so 'is not empty' and '!= empty' agree on every annotation"
+)
+
 EQUIVALENTS: tuple[Equivalent, ...] = (
+    Equivalent(
+        "overlapddp/comm_hook_validation.py",
+        'if annotation is not inspect.Parameter.empty and annotation not in (dist.GradBucket, Bucket, "dist.GradBucket"): '
+        '=> if annotation != inspect.Parameter.empty and annotation not in (dist.GradBucket, Bucket, "dist.GradBucket"):',
+        _EMPTY,
+    ),
+    Equivalent(
+        "overlapddp/comm_hook_validation.py",
+        "if returned is not inspect.Signature.empty and returned not in ( "
+        "=> if returned != inspect.Signature.empty and returned not in (",
+        _EMPTY,
+    ),
+    Equivalent(
+        "overlapddp/comm_hook.py",
+        "self._buffer.narrow(0, off, length).view(param.shape) => self._buffer.narrow( -1, off, length).view(param.shape)",
+        "a bucket's buffer is one-dimensional, so its last dimension is its first",
+    ),
+    Equivalent(
+        "overlapddp/comm_hook.py",
+        "for off, length, param in zip(self._offsets, self._lengths, self._params, strict=True) "
+        "=> for off, length, param in zip(self._offsets, self._lengths, self._params, strict=False)",
+        "the bucket pipeline builds offsets, lengths and parameters from one list, so they never differ in "
+        "length and strict never fires",
+    ),
     Equivalent(
         "overlapddp/comm_hook_validation.py",
         "return str(self.args[0]) => return str(self.args[ -1])",

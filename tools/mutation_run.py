@@ -68,6 +68,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     ),
     "overlapddp/sync_checks.py": ("tests/test_sync_checks.py",),
     "overlapddp/comm_hook.py": (
+        "tests/test_comm_hook_bucket.py",
         "tests/test_comm_hooks.py::test_a_hook_can_declare_that_it_needs_no_chaining",
         "tests/test_comm_hooks.py::test_hook_chains_run_one_bucket_at_a_time",
         "tests/test_comm_hooks.py::test_bad_hook_result_raises_naming_hook_and_bucket_on_every_rank",
