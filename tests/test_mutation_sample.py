@@ -30,6 +30,7 @@ def _load(name: str):
     return module
 
 
+sys.path.insert(0, str(TOOLS))  # mutation_run and mutation_sample import their neighbours
 run = _load("mutation_run")
 SAMPLE = _load("mutation_sample").SAMPLE
 
