@@ -17,7 +17,10 @@ def test_default_options_are_the_wrappers_default_arguments():
     defaults = inspect.signature(OverlapDDP.__init__).parameters
     options = ReducerOptions()
     for field in dataclasses.fields(ReducerOptions):
-        expected = defaults["bucket_plan"].default == "tuned" if field.name == "tuned_plan" else defaults[field.name].default
+        if field.name == "tuned_plan":
+            expected = defaults["bucket_plan"].default == "tuned"
+        else:
+            expected = defaults[field.name].default
         assert getattr(options, field.name) is expected, field.name
 
 

@@ -64,7 +64,7 @@ SAMPLE: tuple[Sampled, ...] = (
     Sampled(
         "overlapddp/comm_hook.py",
         "core/NumberReplacer",
-        "self._buffer.narrow(0, off, length).view(param.shape) => self._buffer.narrow( 1, off, length).view(param.shape)",
+        "self._buffer.narrow(0, off, length).view(param.shape) => self._buffer.narrow( 1, off, length).view(param.shape)",  # noqa: E501 (the line as cosmic-ray changes it)
         BUCKET,
     ),
     Sampled(
