@@ -50,8 +50,8 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "overlapddp/comm_hook.py",
         "for off, length, param in zip(self._offsets, self._lengths, self._params, strict=True) "
         "=> for off, length, param in zip(self._offsets, self._lengths, self._params, strict=False)",
-        "the bucket pipeline builds offsets, lengths and parameters from one list, so they never differ in "
-        "length and strict never fires",
+        "BucketStorage derives lengths and offsets from its own params list (one entry each), and the "
+        "pipeline hands exactly those three to Bucket, so they never differ in length and strict never fires",
     ),
     Equivalent(
         "overlapddp/comm_hook_validation.py",
