@@ -229,15 +229,16 @@ def run_module(scratch: Path, module: str, timeout_s: float | None) -> tuple[lis
     return read_session(session, module), base, time.perf_counter() - start
 
 
-def summary_row(module: str, mutants: list[Mutant], base: float, wall: float) -> str:
+def summary_row(module: str, mutants: list[Mutant], base: float | None, wall: float | None) -> str:
     count = {k: sum(m.outcome == k for m in mutants) for k in ("killed", "survived", "timeout", "equivalent")}
     ran = sum(count.values())
     scored = ran - count["equivalent"]
     rate = 100.0 * (count["killed"] + count["timeout"]) / scored if scored else 100.0
-    per = wall / ran if ran else 0.0
+    base_s = "-" if base is None else f"{base:.1f} s"  # not known when a session is reread
+    per = "-" if wall is None or not ran else f"{wall / ran:.1f} s"
     return (
         f"| {module} | {ran} | {count['killed']} | {count['survived']} | {count['timeout']} | "
-        f"{count['equivalent']} | {rate:.0f}% | {base:.1f} s | {per:.1f} s |"
+        f"{count['equivalent']} | {rate:.0f}% | {base_s} | {per} |"
     )
 
 
@@ -268,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             session = RESULTS / (module.replace("/", ".").removesuffix(".py") + ".sqlite")
             if session.exists():
                 mutants = read_session(session, module)
-                print(summary_row(module, mutants, 0.0, 0.0))
+                print(summary_row(module, mutants, None, None))
                 killers: dict[str, int] = {}
                 for m in mutants:
                     if m.killer:
