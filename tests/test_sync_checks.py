@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from overlapddp import OverlapDDP
+from overlapddp.sync_checks import SyncFlagCheck
 
 
 def _model() -> OverlapDDP:
@@ -115,3 +116,19 @@ def test_correct_accumulation_loops_do_not_warn(one_rank, how):
             model(_x())
 
     assert _messages(loop) == []
+
+
+def test_a_new_wrapper_and_a_new_flag_check_require_backward_grad_sync_as_ddp_does(one_rank):
+    """DDP starts with the flag True. A Reducer built without a wrapper's flags makes its own
+    SyncFlagCheck, so the check's default must be DDP's too, not only the wrapper's assignment."""
+    reference = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
+    assert _model().require_backward_grad_sync is reference.require_backward_grad_sync is True
+    assert SyncFlagCheck().requested is True
+
+
+def test_a_backward_without_any_forward_is_not_blamed_on_the_sync_flag(one_rank):
+    """The flag was never False, so the warning must not say that a forward ran with it False."""
+    model = _model()
+    messages = _messages(lambda: model.module(_x()).sum().backward())  # the wrapper's forward never ran
+    assert len(messages) == 1 and "were NOT reduced" in messages[0]
+    assert "require_backward_grad_sync=False" not in messages[0]

@@ -1,0 +1,71 @@
+"""Which generated mutants cannot change what overlapddp does, and why not?
+
+Each entry names the module and the mutated line before and after (``old => new``, stripped, as
+tools/mutation_run.py prints it), so an entry survives the line moving. A mutant listed here is
+reported as equivalent, not survived; the argument says why no test can tell it apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Equivalent:
+    module: str
+    change: str
+    why: str
+
+
+_STACKLEVEL = (
+    "stacklevel only chooses which frame the warning is attributed to; levels 2, 3 and 4 are all inside "
+    "overlapddp (sync_checks.py, then the reducer, then the wrapper or the reducer's gradient hook), the "
+    "message names the rank and the cause, and warning filters and the once-per-wrapper rule do not read it"
+)
+
+_EMPTY = (
+    "inspect's empty marker is a class that only equals itself, and annotations compare by identity "
+    "or as strings, so 'is not empty' and '!= empty' agree on every annotation"
+)
+
+EQUIVALENTS: tuple[Equivalent, ...] = (
+    Equivalent(
+        "overlapddp/comm_hook_validation.py",
+        'if annotation is not inspect.Parameter.empty and annotation not in (dist.GradBucket, Bucket, "dist.GradBucket"): '  # noqa: E501 (the line as cosmic-ray changes it)
+        '=> if annotation != inspect.Parameter.empty and annotation not in (dist.GradBucket, Bucket, "dist.GradBucket"):',  # noqa: E501 (the line as cosmic-ray changes it)
+        _EMPTY,
+    ),
+    Equivalent(
+        "overlapddp/comm_hook_validation.py",
+        "if returned is not inspect.Signature.empty and returned not in ( "
+        "=> if returned != inspect.Signature.empty and returned not in (",
+        _EMPTY,
+    ),
+    Equivalent(
+        "overlapddp/comm_hook.py",
+        "self._buffer.narrow(0, off, length).view(param.shape) => self._buffer.narrow( -1, off, length).view(param.shape)",  # noqa: E501 (the line as cosmic-ray changes it)
+        "a bucket's buffer is one-dimensional, so its last dimension is its first",
+    ),
+    Equivalent(
+        "overlapddp/comm_hook.py",
+        "for off, length, param in zip(self._offsets, self._lengths, self._params, strict=True) "
+        "=> for off, length, param in zip(self._offsets, self._lengths, self._params, strict=False)",
+        "BucketStorage derives lengths and offsets from its own params list (one entry each), and the "
+        "pipeline hands exactly those three to Bucket, so they never differ in length and strict never fires",
+    ),
+    Equivalent(
+        "overlapddp/comm_hook_validation.py",
+        "return str(self.args[0]) => return str(self.args[ -1])",
+        "the error is raised in one place, with exactly one argument, so args[0] is args[-1]",
+    ),
+    Equivalent(
+        "overlapddp/sync_checks.py",
+        "warnings.warn(message, UserWarning, stacklevel=3) => warnings.warn(message, UserWarning, stacklevel= 4)",
+        _STACKLEVEL,
+    ),
+    Equivalent(
+        "overlapddp/sync_checks.py",
+        "warnings.warn(message, UserWarning, stacklevel=3) => warnings.warn(message, UserWarning, stacklevel= 2)",
+        _STACKLEVEL,
+    ),
+)

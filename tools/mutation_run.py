@@ -1,0 +1,303 @@
+#!/usr/bin/env python3
+"""Which generated single-point mutants of overlapddp do the tests kill, module by module?
+
+A wrapper around cosmic-ray (the ``test`` extra pins it; docs/testing.md says why cosmic-ray): for
+each module in ``MODULE_TESTS`` it writes a cosmic-ray config into a scratch copy of the repository
+(the working tree is never mutated), runs ``cosmic-ray init``, drops the operators in
+``EXCLUDED_OPERATORS`` (``cr-filter-operators``), runs ``cosmic-ray exec`` there with one worker,
+and reads the session back. The tests for a module come from the map below, not from coverage:
+most tests spawn their ranks, and no in-process coverage sees what runs in them. Mutants whose
+change cannot alter behaviour are listed in tools/mutation_equivalents.py with their argument::
+
+    python3 tools/mutation_run.py                          # every mapped module
+    python3 tools/mutation_run.py overlapddp/options.py    # some modules
+    python3 tools/mutation_run.py --list                   # modules, tests, mutant counts; nothing run
+    python3 tools/mutation_run.py --survivors              # also print each survivor's diff
+
+Sessions and the report (``report.md``) go to ``results/mutation/``. Exit status 1 when a
+non-equivalent mutant survived or a module's tests fail unmutated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tools"))
+
+from mutation_equivalents import EQUIVALENTS  # noqa: E402
+
+RESULTS = REPO / "results" / "mutation"
+COPY_IGNORE = shutil.ignore_patterns(
+    ".git", ".venv", "__pycache__", "*.egg-info", ".pytest_cache", "build", "dist", "img", "results"
+)
+PYTEST = "-m pytest -x -q -p no:cacheprovider -p no:randomly"
+
+# Replacements that make no realistic slip and multiply the count (x ** y, x >> y, x ^ y ...), and
+# the two operators that insert or swap variable names at random (not deterministic across runs).
+EXCLUDED_OPERATORS = (
+    r"core/ReplaceBinaryOperator_.*_(Pow|RShift|LShift|BitOr|BitAnd|BitXor|Mod|FloorDiv)$",
+    r"core/ReplaceBinaryOperator_(Pow|RShift|LShift|BitOr|BitAnd|BitXor|Mod|FloorDiv)_.*",
+    r"core/VariableInserter",
+    r"core/VariableReplacer",
+)
+
+# module -> pytest node ids that exercise it, cheapest first (``-x`` stops at the first failure).
+# Spawn-free tests first: a spawn of two or three ranks costs seconds per mutant.
+MODULE_TESTS: dict[str, tuple[str, ...]] = {
+    "overlapddp/options.py": (
+        "tests/test_options.py",
+        "tests/test_bucket_plan.py",
+    ),
+    "overlapddp/bucket_plan.py": ("tests/test_bucket_plan.py", "tests/test_plan_selection.py"),
+    "overlapddp/comm_hook_validation.py": (
+        "tests/test_comm_hook_validation.py",
+        "tests/test_comm_hooks.py::test_register_rejects_what_ddp_rejects_with_the_same_exception_type",
+        "tests/test_comm_hooks.py::test_hook_without_bucket_parameter_error_is_also_a_type_error",
+        "tests/test_comm_hooks.py::test_correctly_annotated_hook_is_accepted",
+        "tests/test_comm_hooks.py::test_registering_twice_raises_like_ddp",
+        "tests/test_comm_hooks.py::test_bf16_compress_hook_is_accepted_on_gloo",
+    ),
+    "overlapddp/sync_checks.py": ("tests/test_sync_checks.py",),
+    "overlapddp/comm_hook.py": (
+        "tests/test_comm_hook_bucket.py",
+        "tests/test_comm_hooks.py::test_a_hook_can_declare_that_it_needs_no_chaining",
+        "tests/test_comm_hooks.py::test_hook_chains_run_one_bucket_at_a_time",
+        "tests/test_comm_hooks.py::test_bad_hook_result_raises_naming_hook_and_bucket_on_every_rank",
+    ),
+    "overlapddp/tuning/cost_model.py": ("tests/test_tuned_plan.py",),
+}
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One finished cosmic-ray job, reduced to what the report needs."""
+
+    module: str
+    operator: str
+    occurrence: int
+    line: int
+    change: str  # "old line => new line", stripped: the key equivalents and the CI sample use
+    outcome: str  # killed, survived, timeout, equivalent, incompetent, skipped
+    killer: str  # the test file that failed first ("" unless killed)
+
+
+def change_of(diff: str) -> str:
+    """The mutated line before and after, from cosmic-ray's unified diff (robust to line moves)."""
+    removed = [line[1:].strip() for line in diff.splitlines() if line.startswith("-") and not line.startswith("---")]
+    added = [line[1:].strip() for line in diff.splitlines() if line.startswith("+") and not line.startswith("+++")]
+    return " | ".join(removed) + " => " + " | ".join(added)
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One mutant of the CI sample: found again by operator and change, so line moves do not matter."""
+
+    module: str
+    operator: str
+    change: str
+    tests: tuple[str, ...]  # the cheapest node ids that kill it
+
+
+def mutate_sampled(root: Path, sampled: Sampled) -> None:
+    """Write ``sampled``'s mutant into ``root``'s copy of its module (cosmic-ray makes the change)."""
+    import difflib
+
+    from cosmic_ray.mutating import mutate_code
+    from cosmic_ray.plugins import get_operator
+
+    path = root / sampled.module
+    source = path.read_text()
+    operator = get_operator(sampled.operator)()
+    occurrence = 0
+    while (mutated := mutate_code(source, operator, occurrence)) is not None:
+        diff = "\n".join(difflib.unified_diff(source.splitlines(), mutated.splitlines(), lineterm=""))
+        if change_of(diff) == sampled.change:
+            path.write_text(mutated)
+            return
+        occurrence += 1
+    raise LookupError(
+        f"{sampled.module}: no {sampled.operator} mutant changes {sampled.change!r} any more; "
+        "pick a new sample from a fresh run (tools/mutation_sample.py says how)."
+    )
+
+
+def killer_of(output: str) -> str:
+    """The test file pytest -q names first among its failures (a collection error names its file)."""
+    for line in output.splitlines():
+        if line.startswith(("FAILED ", "ERROR ")):
+            return line.split()[1].split("::")[0]
+    return "?"
+
+
+def _cosmic_ray(scratch: Path, *args: str, timeout_s: float | None = None) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(scratch), PYTHONDONTWRITEBYTECODE="1")
+    bindir = Path(sys.executable).parent
+    tool = shutil.which(args[0], path=f"{bindir}{os.pathsep}{env.get('PATH', '')}")
+    if tool is None:
+        raise SystemExit(f"{args[0]} not found: install the test extra (pip install -e '.[test]').")
+    return subprocess.run(
+        [tool, *args[1:]], cwd=scratch, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
+    )
+
+
+def write_config(scratch: Path, module: str, timeout_s: float) -> Path:
+    tests = " ".join(MODULE_TESTS[module])
+    excluded = ", ".join(f"'{pattern}'" for pattern in EXCLUDED_OPERATORS)
+    config = scratch / "cosmic-ray.toml"
+    config.write_text(
+        "[cosmic-ray]\n"
+        f'module-path = "{module}"\n'
+        f"timeout = {timeout_s}\n"
+        "excluded-modules = []\n"
+        f'test-command = "{sys.executable} {PYTEST} {tests}"\n'
+        "[cosmic-ray.distributor]\n"
+        'name = "local"\n'
+        "[cosmic-ray.filters.operators-filter]\n"
+        f"exclude-operators = [{excluded}]\n"
+    )
+    return config
+
+
+def baseline_s(scratch: Path, module: str) -> float:
+    """Seconds the module's tests take unmutated; they must pass."""
+    env = dict(os.environ, PYTHONPATH=str(scratch))
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, *PYTEST.split(), *MODULE_TESTS[module]], cwd=scratch, env=env, capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{module}: its tests fail unmutated:\n{done.stdout[-3000:]}")
+    return time.perf_counter() - start
+
+
+def read_session(session: Path, module: str) -> list[Mutant]:
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome, WorkerOutcome
+
+    equivalent = {(e.module, e.change) for e in EQUIVALENTS}
+    mutants = []
+    with use_db(str(session), WorkDB.Mode.open) as db:
+        for item, result in db.completed_work_items:
+            spec = item.mutations[0]
+            change = change_of(result.diff or "")
+            if result.worker_outcome == WorkerOutcome.SKIPPED:
+                outcome = "skipped"
+            elif result.worker_outcome != WorkerOutcome.NORMAL:
+                outcome = "incompetent"  # the mutation itself could not be applied or run
+            elif (module, change) in equivalent:
+                outcome = "equivalent"
+            elif result.test_outcome == TestOutcome.SURVIVED:
+                outcome = "survived"
+            elif result.output == "timeout":
+                outcome = "timeout"
+            elif result.test_outcome == TestOutcome.KILLED:
+                outcome = "killed"
+            else:
+                outcome = "incompetent"
+            killer = killer_of(result.output or "") if outcome == "killed" else ""
+            mutants.append(
+                Mutant(module, spec.operator_name, spec.occurrence, spec.start_pos[0], change, outcome, killer)
+            )
+    return sorted(mutants, key=lambda m: (m.line, m.operator, m.occurrence))
+
+
+def run_module(scratch: Path, module: str, timeout_s: float | None) -> tuple[list[Mutant], float, float]:
+    """Mutate one module in the scratch copy; returns its mutants, baseline seconds and wall seconds."""
+    base = baseline_s(scratch, module)
+    per_mutant = timeout_s if timeout_s is not None else round(2 * base + 15, 1)
+    config = write_config(scratch, module, per_mutant)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    session = RESULTS / (module.replace("/", ".").removesuffix(".py") + ".sqlite")
+    session.unlink(missing_ok=True)
+    start = time.perf_counter()
+    for step in (("cosmic-ray", "init", str(config), str(session)), ("cr-filter-operators", str(session), str(config))):
+        done = _cosmic_ray(scratch, *step)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(step)} failed:\n{done.stderr[-3000:]}")
+    done = _cosmic_ray(scratch, "cosmic-ray", "exec", str(config), str(session))
+    if done.returncode != 0:
+        raise RuntimeError(f"cosmic-ray exec failed:\n{done.stderr[-3000:]}")
+    return read_session(session, module), base, time.perf_counter() - start
+
+
+def summary_row(module: str, mutants: list[Mutant], base: float | None, wall: float | None) -> str:
+    count = {k: sum(m.outcome == k for m in mutants) for k in ("killed", "survived", "timeout", "equivalent")}
+    ran = sum(count.values())
+    scored = ran - count["equivalent"]
+    rate = 100.0 * (count["killed"] + count["timeout"]) / scored if scored else 100.0
+    base_s = "-" if base is None else f"{base:.1f} s"  # not known when a session is reread
+    per = "-" if wall is None or not ran else f"{wall / ran:.1f} s"
+    return (
+        f"| {module} | {ran} | {count['killed']} | {count['survived']} | {count['timeout']} | "
+        f"{count['equivalent']} | {rate:.0f}% | {base_s} | {per} |"
+    )
+
+
+HEADER = (
+    "| module | mutants | killed | survived | timed out | equivalent | killed of non-equivalent | "
+    "tests unmutated | per mutant |\n|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("modules", nargs="*", help="modules to mutate (default: every module in MODULE_TESTS)")
+    parser.add_argument("--timeout", type=float, help="seconds per mutant (default: 2 x baseline + 15 s)")
+    parser.add_argument("--list", action="store_true", help="print modules and tests, run nothing")
+    parser.add_argument("--survivors", action="store_true", help="print each survivor's change")
+    parser.add_argument("--reread", action="store_true", help="report from the sessions in results/mutation")
+    args = parser.parse_args(argv)
+    modules = args.modules or list(MODULE_TESTS)
+    unknown = [m for m in modules if m not in MODULE_TESTS]
+    if unknown:
+        parser.error(f"no tests mapped for {unknown}: add them to MODULE_TESTS in {Path(__file__).name}")
+    if args.list:
+        for module in modules:
+            print(module, "<-", " ".join(MODULE_TESTS[module]))
+        return 0
+    if args.reread:
+        for module in modules:
+            session = RESULTS / (module.replace("/", ".").removesuffix(".py") + ".sqlite")
+            if session.exists():
+                mutants = read_session(session, module)
+                print(summary_row(module, mutants, None, None))
+                killers: dict[str, int] = {}
+                for m in mutants:
+                    if m.killer:
+                        killers[m.killer] = killers.get(m.killer, 0) + 1
+                    if m.outcome not in ("killed", "skipped"):
+                        print(f"    {m.outcome}: {m.line} {m.operator}#{m.occurrence}: {m.change}")
+                print("    killed first by:", killers)
+        return 0
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    rows, problems = [], []
+    with tempfile.TemporaryDirectory(prefix="overlapddp-cosmic-ray-") as tmp:
+        scratch = Path(tmp) / "repo"
+        shutil.copytree(REPO, scratch, ignore=COPY_IGNORE)
+        for module in modules:
+            mutants, base, wall = run_module(scratch, module, args.timeout)
+            rows.append(summary_row(module, mutants, base, wall))
+            print(rows[-1], flush=True)
+            for m in mutants:
+                if m.outcome in ("survived", "incompetent"):
+                    problems.append(f"{m.outcome}: {module}:{m.line} {m.operator}#{m.occurrence}: {m.change}")
+                    if args.survivors:
+                        print("   ", problems[-1], flush=True)
+    report = f"Commit {commit.strip()}, `python3 tools/mutation_run.py {' '.join(argv or sys.argv[1:])}`\n\n"
+    report += HEADER + "\n" + "\n".join(rows) + "\n\n" + "\n".join(f"- {p}" for p in problems) + "\n"
+    (RESULTS / "report.md").write_text(report)
+    print(f"report: {RESULTS / 'report.md'}")
+    return 1 if any(p.startswith("survived") for p in problems) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
