@@ -185,7 +185,7 @@ class OverlapDDP(nn.Module, Joinable):
             self._expect_backward(list(tensors_in(output)))
             if self._reducer.needs_end_of_backward_trigger:
                 output = _end_of_backward_trigger(output, self._reducer)
-            elif self.find_unused_parameters and not self.static_graph:
+            elif self._reducer.options.searches_unused_each_forward:
                 # As DDP's sink: an output the loss never reaches still fires its parameters' hooks (with
                 # an undefined gradient: unused), so their buckets complete.
                 output = _end_of_backward_trigger(output, None)

@@ -43,6 +43,7 @@ from torchft.manager import Manager
 from overlapddp.comm_hook import CommHook
 from overlapddp.optimizer_guard import OptimizerGuard
 from overlapddp.optimizer_overlap import OverlappedOptimizer
+from overlapddp.sharded_optimizer import ShardedOptimizer
 from overlapddp.wrapper import OverlapDDP
 
 # The arguments this wrapper refuses, and why: each would reduce across replicas outside the
@@ -172,13 +173,16 @@ class DistributedDataParallel(OverlapDDP):
     def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
         _refuse("_register_builtin_comm_hook", "built-in hooks reduce on the process group, outside the manager")
 
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer, *, overlap: bool = False,
-                         **kwargs: Any) -> OptimizerGuard | OverlappedOptimizer:
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, *, overlap: bool = False, shard: bool = False,
+                         **kwargs: Any) -> OptimizerGuard | OverlappedOptimizer | ShardedOptimizer:
         """The guard, as OverlapDDP's; ``overlap=True`` is refused: it would update the parameters
         during backward, before ``manager.should_commit()`` can say whether the step counts."""
         if overlap:
             _refuse("attach_optimizer(overlap=True)", "each bucket's update would run before should_commit() decides "
                     "whether the step is applied, and an update cannot be taken back")
+        if shard:
+            _refuse("attach_optimizer(shard=True)", "each replica group would own shards of a quorum that changes "
+                    "from step to step, and a shard's update runs before should_commit() decides")
         return super().attach_optimizer(optimizer, **kwargs)
 
     def count_tokens(self, tokens: int) -> None:
