@@ -429,7 +429,7 @@ def repeat_ratios(reference: Variant, candidate: Variant) -> dict[str, object]:
     """
     ratios = [
         statistics.median(cand) / statistics.median(ref)
-        for ref, cand in zip(reference.block_times, candidate.block_times)
+        for ref, cand in zip(reference.block_times, candidate.block_times, strict=False)
     ]
     return {
         "per_repeat": ratios,
@@ -452,7 +452,7 @@ def summarize(reference: Variant, candidate: Variant, orders: list[str]) -> dict
 def aligned(rows: list[tuple[str, ...]]) -> list[str]:
     """Left-aligned fixed-width columns, two spaces apart."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in rows]
+    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)) for row in rows]
 
 
 def format_table(results: dict[str, object], reference: str, candidate: str) -> str:

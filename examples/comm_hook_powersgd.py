@@ -49,6 +49,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import setup  # noqa: E402
+
 from overlapddp import OverlapDDP  # noqa: E402
 
 # Either wrapper: the loop below uses only what they share.

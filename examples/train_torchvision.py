@@ -43,6 +43,7 @@ from torchvision import transforms
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import setup  # noqa: E402
+
 from overlapddp import OverlapDDP  # noqa: E402
 
 # Either wrapper: the loop below uses only what they share.

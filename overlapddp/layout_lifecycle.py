@@ -12,8 +12,8 @@ only to report the timings it measures.
 
 from __future__ import annotations
 
-import enum
 import dataclasses
+import enum
 from typing import Callable, Sequence
 
 import torch

@@ -14,7 +14,6 @@ import torch.distributed as dist
 from torch.futures import Future
 from torch.utils.checkpoint import CheckpointFunction
 
-
 # [Note: which containers are walked] One walk for every place that looks into a forward's inputs or
 # outputs: lists, tuples (named ones too), dicts and dataclass instances. Dataclasses are walked as
 # DDP's ``_find_tensors`` (its unused-parameter search) and its mixed-precision input cast do (DDP's

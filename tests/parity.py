@@ -77,7 +77,7 @@ def ddp_layout(ddp: DistributedDataParallel) -> list[list[int]]:
 
 
 def first_difference(a: torch.nn.Module, b: torch.nn.Module) -> str | None:
-    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=False):
         if not torch.equal(x, y):
             return name
     return None
@@ -85,7 +85,7 @@ def first_difference(a: torch.nn.Module, b: torch.nn.Module) -> str | None:
 
 def first_grad_difference(a: torch.nn.Module, b: torch.nn.Module) -> str | None:
     """The first parameter whose reduced gradient differs (a missing gradient counts as a difference)."""
-    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=False):
         if (p.grad is None) != (q.grad is None) or (p.grad is not None and not torch.equal(p.grad, q.grad)):
             return f"{name}.grad"
     return None

@@ -23,7 +23,7 @@ def torch_assignment(params, limits, order=None):
         buckets, caps = dist._compute_bucket_assignment_by_size(
             [params[i] for i in order], limits, [False] * len(params), list(order)
         )
-    return [(tuple(b), c) for b, c in zip(buckets, caps)]
+    return [(tuple(b), c) for b, c in zip(buckets, caps, strict=False)]
 
 
 def test_bucket_closes_when_reaching_cap_and_includes_the_tensor_that_crossed_it():

@@ -14,6 +14,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from overlapddp.comm_hook import Bucket
 from overlapddp.comm_hook_validation import CommHookSignatureError, builtin_hook, check_comm_hook
 
+
 def annotated(name, bucket=None, returns=None):
     """A hook whose annotations are the objects given (this module's own annotations are strings)."""
 

@@ -71,7 +71,7 @@ def _parity(rank: int, world_size: int, cases: list[tuple[str, bool, dict]]) -> 
         torch._dynamo.reset()
         ours = compiled(OverlapDDP, name, outer, **kwargs)
         candidate = _states(name, rank, STEPS, ours)
-        equal = [all(map(torch.equal, a, b)) for a, b in zip(reference, candidate)]
+        equal = [all(map(torch.equal, a, b)) for a, b in zip(reference, candidate, strict=False)]
         results.append((equal, [g.cuts for g in unwrapped(ours)._graph_splitter._compiled]))
     return results
 
@@ -82,7 +82,7 @@ PARITY_CASES = [(name, outer, kwargs) for outer in (False, True)
 
 def test_compiled_training_is_bit_equal_to_ddp_in_the_same_form_with_and_without_splits():
     for rank, results in enumerate(run_ranks(3, _parity, PARITY_CASES, timeout_s=SLOW_TIMEOUT_S)):
-        for (name, outer, _), (equal, cuts) in zip(PARITY_CASES, results):
+        for (name, outer, _), (equal, cuts) in zip(PARITY_CASES, results, strict=False):
             assert equal == [True] * STEPS, f"rank {rank}, {name} as {FORMS[outer]}: {equal}"
             if name == "deep_mlp":  # DDP's rebuilt buckets close at several layers: the graph is cut there
                 assert cuts and all(c for c in cuts), f"rank {rank}, {FORMS[outer]}: cuts {cuts}"
@@ -99,7 +99,7 @@ def _options_parity(rank: int, world_size: int) -> dict[str, list[bool]]:
         torch._dynamo.reset()
         ours = compiled(OverlapDDP, "tangled_mlp", False, bucket_cap_mb=1, **kwargs)
         candidate = _states("tangled_mlp", rank, STEPS + 1, ours)  # a static graph rebuilds a step later
-        results[label] = [all(map(torch.equal, a, b)) for a, b in zip(reference, candidate)]
+        results[label] = [all(map(torch.equal, a, b)) for a, b in zip(reference, candidate, strict=False)]
         results[label + " cut"] = [any(g.cuts for g in ours._graph_splitter._compiled)]
     return results
 

@@ -13,14 +13,11 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from overlapddp import OverlapDDP
-from overlapddp import module_sync
+from overlapddp import OverlapDDP, construction, module_sync, testing
 from overlapddp.bucket_plan import BucketCaps, explicit_plan
-from overlapddp import construction
 from overlapddp.fence import CudaFence, Fence, fence_for
 from overlapddp.param_usage import UsageMap
 from overlapddp.reducer import Reducer
-from overlapddp import testing
 from overlapddp.testing import DelayedFence
 from overlapddp.token_weighting import TokenCount
 from tests.fake_cuda import HostReads, RecordingKit

@@ -59,9 +59,9 @@ def _delayed(net: Net, hook_on_itself: bool = False) -> dict:
 
 
 def _differences(a: nn.Module, b: nn.Module) -> list[str]:
-    found = [f"{n}.grad" for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters())
+    found = [f"{n}.grad" for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=False)
              if (p.grad is None) != (q.grad is None) or (p.grad is not None and not torch.equal(p.grad, q.grad))]
-    return found + [n for (n, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()) if not torch.equal(x, y)]
+    return found + [n for (n, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=False) if not torch.equal(x, y)]
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, step: int, accumulate: int) -> None:

@@ -91,7 +91,7 @@ def _pytorch_lightning(tmp: Path) -> dict[str, Any]:
     return _trainer(tmp / "pytorch_lightning", pl, DDPStrategy, OverlapDDPStrategy)
 
 
-def _trainer(tmp: Path, pl: Any, DDPStrategy: type, OverlapDDPStrategy: type) -> dict[str, Any]:
+def _trainer(tmp: Path, pl: Any, DDPStrategy: type, OverlapDDPStrategy: type) -> dict[str, Any]:  # noqa: C901 - one scenario per Trainer feature
     """A Lightning Trainer (``pl``: ``lightning.pytorch`` or ``pytorch_lightning``) with DDP and with OverlapDDP."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -340,7 +340,7 @@ def _accelerate(tmp: Path) -> dict[str, Any]:
         acc = accelerator(overlap, accumulate=1, comm_hook=DDPCommunicationHookType.FP16)
         net, model, optimizer, loader = prepared(acc)
         params = []
-        for step, (inputs, targets) in zip(range(3), loader):
+        for _step, (inputs, targets) in zip(range(3), loader, strict=False):
             with acc.no_sync(model):
                 loss_a = nn.functional.mse_loss(model(inputs[:2]), targets[:2])
                 loss_b = nn.functional.mse_loss(model(inputs[2:]), targets[2:])
@@ -449,7 +449,7 @@ def _results(ranks: list[dict[str, Any]], framework: str) -> list[dict[str, Any]
 def _assert_bit_equal(scenario: dict[str, Any], batches: int, key: str = "params") -> None:
     ours, theirs = scenario["overlap_ddp"][key], scenario["ddp"][key]
     assert len(ours) == len(theirs) == batches, (len(ours), len(theirs), batches)
-    for batch, (a, b) in enumerate(zip(ours, theirs)):
+    for batch, (a, b) in enumerate(zip(ours, theirs, strict=False)):
         a, b = torch.from_numpy(a), torch.from_numpy(b)
         assert torch.equal(a, b), f"parameters differ from DDP's after batch {batch}: max |diff| {(a - b).abs().max()}"
 

@@ -53,7 +53,7 @@ def _compare(rank: int, world_size: int, cases=CASES, fault: str | None = None) 
         with faults.injected(fault):
             ours = _train_uneven(OverlapDDP, rank, model, divide_by_initial, kwargs, accumulate)
         key = f"{model}-divide_by_initial={divide_by_initial}-{extra}-accumulate={accumulate}"
-        results[key] = [all(torch.equal(a, b) for a, b in zip(x, y)) for x, y in zip(ddp, ours)]
+        results[key] = [all(torch.equal(a, b) for a, b in zip(x, y, strict=False)) for x, y in zip(ddp, ours, strict=False)]
     return results
 
 

@@ -64,7 +64,7 @@ def test_two_nodes_with_c10d_rendezvous_train_the_lm():
                 os.killpg(node.pid, signal.SIGKILL)
         logs = [node.communicate() for node in nodes]
         raise AssertionError(f"the two nodes did not finish within {TIMEOUT_S} s\n{logs}") from None
-    for node_rank, (node, (stdout, stderr)) in enumerate(zip(nodes, outputs)):
+    for node_rank, (node, (stdout, stderr)) in enumerate(zip(nodes, outputs, strict=False)):
         assert node.returncode == 0, (
             f"node {node_rank} exited with {node.returncode}\n--- stdout\n{stdout}\n--- stderr\n{stderr}"
         )

@@ -11,7 +11,6 @@ import shutil
 import sys
 from pathlib import Path
 
-
 TOOL = Path(__file__).resolve().parent.parent / "tools" / "mutations.py"
 
 

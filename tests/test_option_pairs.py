@@ -11,7 +11,6 @@ from tests import option_pairs
 from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
 
 
-
 def _needs_allpairspy() -> None:
     pytest.importorskip("allpairspy", reason="the option-pair matrix needs allpairspy: python3 -m pip install -e '.[test]'")
 

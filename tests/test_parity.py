@@ -109,7 +109,7 @@ FAULT_SCENARIOS = [
 @functools.cache
 def fault_outcomes() -> dict[Scenario, Outcome]:
     runnable = [s for s in FAULT_SCENARIOS if not missing_for(s)]
-    return dict(zip(runnable, run_ranks(3, run_scenarios, runnable, timeout_s=SLOW_TIMEOUT_S)[0]))
+    return dict(zip(runnable, run_ranks(3, run_scenarios, runnable, timeout_s=SLOW_TIMEOUT_S)[0], strict=False))
 
 
 @pytest.mark.parametrize("scenario", FAULT_SCENARIOS, ids=lambda s: s.name)

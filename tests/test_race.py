@@ -35,7 +35,7 @@ def _train(wrapper: nn.Module, opt: torch.optim.Optimizer, rank: int, step: int,
 
 
 def _equal(a: nn.Module, b: nn.Module) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=False))
 
 
 def _one_repetition(rank: int, mode: str, stage: str, cap: float | None) -> dict[str, object]:
@@ -132,7 +132,7 @@ def _handed_to_collectives(rank: int, world_size: int) -> dict[str, str | None]:
         ddp, ours = records["DistributedDataParallel"], records["OverlapDDP"]
         differences[f"cap={cap}"] = next(
             (f"collective {n}: DDP's bucket {a[0]}, OverlapDDP's bucket {b[0]}, other values"
-             for n, (a, b) in enumerate(zip(ddp, ours)) if a[0] != b[0] or not torch.equal(a[1], b[1])),
+             for n, (a, b) in enumerate(zip(ddp, ours, strict=False)) if a[0] != b[0] or not torch.equal(a[1], b[1])),
             None if len(ddp) == len(ours) else f"{len(ddp)} collectives vs {len(ours)}",
         )
     return differences

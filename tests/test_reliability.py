@@ -75,7 +75,7 @@ def _resume(rank: int, world_size: int) -> dict[str, list[bool]]:
             model.load_bucket_state(saved["buckets"])
         resumed = _train(model, opt, rank, range(3, 6))
         outcome[f"restore_buckets={restore_buckets}"] = [
-            all(torch.equal(a, b) for a, b in zip(x, y)) for x, y in zip(uninterrupted[3:], resumed)
+            all(torch.equal(a, b) for a, b in zip(x, y, strict=False)) for x, y in zip(uninterrupted[3:], resumed, strict=False)
         ]
     return outcome
 
@@ -102,11 +102,11 @@ def _lagging(rank: int, world_size: int, seed: int, model: str, steps: int, max_
         stage = chooser.choice(["launch", "completion"])
         inputs, target = models.batch(model, rank, step)
         with delay_communication(ours, late_rank, delay, stage):
-            for wrapper, opt in zip((ddp, ours), optimizers):
+            for wrapper, opt in zip((ddp, ours), optimizers, strict=False):
                 models.loss_of(wrapper(inputs), target).backward()
                 opt.step()
                 opt.zero_grad()
-        equal.append(all(torch.equal(a, b) for a, b in zip(ddp.state_dict().values(), ours.state_dict().values())))
+        equal.append(all(torch.equal(a, b) for a, b in zip(ddp.state_dict().values(), ours.state_dict().values(), strict=False)))
     return equal
 
 

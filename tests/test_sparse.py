@@ -62,9 +62,9 @@ def _same_grad(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 
 
 def _differences(reference: nn.Module, candidate: nn.Module) -> list[str]:
-    found = [f"{n}.grad" for (n, p), (_, q) in zip(reference.named_parameters(), candidate.named_parameters())
+    found = [f"{n}.grad" for (n, p), (_, q) in zip(reference.named_parameters(), candidate.named_parameters(), strict=False)
              if not _same_grad(p.grad, q.grad)]
-    found += [n for (n, x), (_, y) in zip(reference.state_dict().items(), candidate.state_dict().items())
+    found += [n for (n, x), (_, y) in zip(reference.state_dict().items(), candidate.state_dict().items(), strict=False)
               if not torch.equal(x, y)]
     return found
 

@@ -17,7 +17,6 @@ from tests.streams.coverage import ROOT, LineTracer, cuda_lines
 from tests.streams.sim import Sim
 from tests.streams.sites import call_sites, is_cast
 
-
 TRACED = LineTracer()  # the lines the scenarios ran, for the coverage gate
 TRACED_SCENARIOS: set[str] = set()
 

@@ -48,9 +48,9 @@ def _reduced_gradients(rank: int, world_size: int, micro_steps: int) -> dict[str
     (sum(sum_loss(reference, i, t) for i, t in batches) / total).backward()
 
     def close(model: torch.nn.Module) -> bool:
-        return all(torch.allclose(p.grad, q.grad, rtol=RTOL, atol=ATOL) for p, q in zip(model.parameters(), reference.parameters()))
+        return all(torch.allclose(p.grad, q.grad, rtol=RTOL, atol=ATOL) for p, q in zip(model.parameters(), reference.parameters(), strict=False))
 
-    gap = max((p.grad - q.grad).abs().max().item() for p, q in zip(averaged.parameters(), reference.parameters()))
+    gap = max((p.grad - q.grad).abs().max().item() for p, q in zip(averaged.parameters(), reference.parameters(), strict=False))
     return {"weighted_matches": close(weighted), "averaged_matches": close(averaged), "averaged_gap": gap}
 
 

@@ -22,8 +22,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
-from overlapddp.tuning import selection, tuner
 from overlapddp.bucket_plan import BucketPlan, explicit_plan
+from overlapddp.tuning import selection, tuner
 from overlapddp.tuning.cost_model import (
     BucketTiming,
     FinalizeFit,
@@ -56,7 +56,7 @@ CASE_NAMES = [case for case, _, _, _ in CASES]
 
 def _tensors(sizes: list[int], dtypes: list[torch.dtype] | None = None) -> list[torch.Tensor]:
     dtypes = dtypes or [torch.float32] * len(sizes)
-    return [torch.empty(n, dtype=d) for n, d in zip(sizes, dtypes)]
+    return [torch.empty(n, dtype=d) for n, d in zip(sizes, dtypes, strict=False)]
 
 
 def _all_partitions(order: list[int]) -> list[BucketPlan]:
@@ -64,7 +64,7 @@ def _all_partitions(order: list[int]) -> list[BucketPlan]:
     plans = []
     for cuts in itertools.product((False, True), repeat=len(order) - 1):
         buckets, current = [], [order[0]]
-        for cut, index in zip(cuts, order[1:]):
+        for cut, index in zip(cuts, order[1:], strict=False):
             if cut:
                 buckets.append(tuple(current))
                 current = []
@@ -362,7 +362,7 @@ def _train(rank: int, world_size: int, fault: str | None = None) -> dict[str, ob
                     opt.step()
                     # Keeping the gradients keeps gradient_as_bucket_view's views alive across re-plans.
                     opt.zero_grad(set_to_none=not options.get("gradient_as_bucket_view", False))
-                states = zip(ddp.state_dict().values(), ours.state_dict().values())
+                states = zip(ddp.state_dict().values(), ours.state_dict().values(), strict=False)
                 equal.append(all(torch.equal(a, b) for a, b in states))
                 layouts.append(ours.bucket_indices())
                 tuned.append(ours.bucket_state()["tuned_buckets"] is not None)
@@ -498,7 +498,7 @@ def _resume(rank: int, world_size: int) -> dict[str, object]:
     resumed.load_bucket_state(checkpoint[2])
     restored = resumed.bucket_indices()
     run(range(settled + 1, settled + 4), resumed, resumed_opt)
-    states = zip(whole.state_dict().values(), resumed.state_dict().values())
+    states = zip(whole.state_dict().values(), resumed.state_dict().values(), strict=False)
     return {
         "candidates": seen[0],
         "saved": checkpoint[2]["tuned_buckets"],

@@ -99,10 +99,10 @@ def _contract_checks(rank: int, world_size: int) -> dict[str, object]:
         for p in ddp.parameters():
             p.add_(1.0)
     ours.load_state_dict(ddp.state_dict())
-    facts["ddp_checkpoint_loads"] = all(torch.equal(a, b) for a, b in zip(ddp.state_dict().values(), ours.state_dict().values()))
+    facts["ddp_checkpoint_loads"] = all(torch.equal(a, b) for a, b in zip(ddp.state_dict().values(), ours.state_dict().values(), strict=False))
     ddp2 = DistributedDataParallel(models.build("cnn_bn"))
     ddp2.load_state_dict(ours.state_dict())
-    facts["ours_loads_into_ddp"] = all(torch.equal(a, b) for a, b in zip(ddp2.state_dict().values(), ours.state_dict().values()))
+    facts["ours_loads_into_ddp"] = all(torch.equal(a, b) for a, b in zip(ddp2.state_dict().values(), ours.state_dict().values(), strict=False))
 
     # forward returns what the module returns; train/eval reach the module and return the wrapper.
     x, _ = models.batch("cnn_bn", rank, 0)
@@ -334,7 +334,7 @@ def test_one_walk_finds_and_maps_tensors_in_dataclasses_named_tuples_and_dicts()
     pair = collections.namedtuple("pair", "a b")
     a, b, c = torch.ones(1), torch.zeros(1), torch.full((1,), 2.0)
     tree = [pair(a, {"k": _Output(b, {"c": c})}), "text", 3]
-    assert [t is x for t, x in zip(tensors_in(tree), (a, b, c))] == [True, True, True]
+    assert [t is x for t, x in zip(tensors_in(tree), (a, b, c), strict=False)] == [True, True, True]
     doubled = map_tensors(tree, lambda t: t * 2)
     assert isinstance(doubled[0], pair) and isinstance(doubled[0].b["k"], _Output)
     assert [t.item() for t in tensors_in(doubled)] == [2.0, 0.0, 4.0] and doubled[1:] == ["text", 3]

@@ -22,12 +22,12 @@ writes its final parameters; the test compares them.
 from __future__ import annotations
 
 import json
-import re
-import urllib.request
 import os
+import re
 import signal
 import sys
 import time
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path

@@ -20,9 +20,9 @@ import os
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
+import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, DynamoBackend
-import torch
 from torch import nn
 
 from overlapddp.wrapper import OverlapDDP

@@ -39,8 +39,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from overlapddp.module_sync import broadcast_from
 from overlapddp.bucket_plan import MIB, BucketCaps, BucketPlan, rebuilt_plan
+from overlapddp.module_sync import broadcast_from
 from overlapddp.tuning.clock import HostClock, Stamp
 
 SCREENING_ITERATIONS = 2  # enough to drop a layout that is clearly slower

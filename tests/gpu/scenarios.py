@@ -202,10 +202,10 @@ class _nothing:
 
 
 def _equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    state = all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    state = all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=False))
     grads = all(
         (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
-        for p, q in zip(a.parameters(), b.parameters())
+        for p, q in zip(a.parameters(), b.parameters(), strict=False)
     )
     return state and grads
 
@@ -218,7 +218,7 @@ def _train(rank: int, reference: Any, ours: Any, opts: list, device: torch.devic
     with torch.cuda.stream(user):
         for step in range(STEPS):
             inputs, target = (t.to(device) for t in models.batch(MODEL, rank, step))
-            for wrapper, opt in zip((reference, ours), opts):
+            for wrapper, opt in zip((reference, ours), opts, strict=False):
                 opt.zero_grad()
                 models.loss_of(wrapper(inputs), target).backward()
                 if side_step:
@@ -262,7 +262,7 @@ def _grads_with_forward_and_backward_on_two_streams(
             loss.backward()
             got.append([p.grad.clone() for p in ours.parameters()])
     torch.cuda.synchronize()
-    return [all(torch.equal(a, b) for a, b in zip(e, g)) for e, g in zip(expected, got)]
+    return [all(torch.equal(a, b) for a, b in zip(e, g, strict=False)) for e, g in zip(expected, got, strict=False)]
 
 
 def all_scenarios(rank: int, world_size: int, backend: str = "gloo") -> dict[str, list[bool]]:
@@ -323,7 +323,7 @@ def without_set_device(rank: int, world_size: int) -> list[bool]:
     equal = []
     for step in range(STEPS):
         inputs, target = (t.to(device) for t in models.batch(MODEL, rank, step))
-        for wrapper, opt in zip((reference, ours), opts):
+        for wrapper, opt in zip((reference, ours), opts, strict=False):
             opt.zero_grad()
             models.loss_of(wrapper(inputs), target).backward()
             opt.step()

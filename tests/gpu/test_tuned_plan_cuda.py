@@ -75,11 +75,11 @@ def _tuned_on_cuda(rank: int, world_size: int, backend: str) -> dict[str, object
     equal, layouts = [], []
     for step in range(2 + tuner.TUNING_ITERATIONS):
         inputs, target = (t.to(device) for t in models.batch("cnn_bn", rank, step))
-        for wrapper, opt in zip((ddp, ours), optimizers):
+        for wrapper, opt in zip((ddp, ours), optimizers, strict=False):
             models.loss_of(wrapper(inputs), target).backward()
             opt.step()
             opt.zero_grad()
-        equal.append(all(torch.equal(a, b) for a, b in zip(ddp.state_dict().values(), ours.state_dict().values())))
+        equal.append(all(torch.equal(a, b) for a, b in zip(ddp.state_dict().values(), ours.state_dict().values(), strict=False)))
         layouts.append(ours.bucket_indices())
     torch.cuda.synchronize()
     return {"equal": equal, "layouts": layouts, "state": ours.bucket_state()}

@@ -418,7 +418,7 @@ class Accesses(TorchDispatchMode):
         super().__init__()
         self.sim = sim
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:  # noqa: C901 - the dispatcher: one branch per op kind
         kwargs = dict(kwargs or {})
         sim = self.sim
         name = str(func)
