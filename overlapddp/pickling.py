@@ -80,6 +80,12 @@ def pickled_state(attributes: dict[str, Any]) -> dict[str, Any]:
             "model.state_dict() instead."
         )
     reducer: Reducer = attributes["_reducer"]
+    if reducer.sharded:
+        raise RuntimeError(
+            "An OverlapDDP with a sharded optimizer (attach_optimizer(shard=True)) cannot be copied or pickled: "
+            "each rank holds only its shard of the last update until the next forward. Save model.state_dict() "
+            "(it gathers the parameters) and the optimizer's consolidated state_dict() instead."
+        )
     state = {k: v for k, v in attributes.items() if k not in _NOT_PICKLED}
     # Mixed precision's reduction is the wrapper's own, rebuilt with it: only a user's hook is dropped.
     hooks = [] if reducer.comm_hook is None or attributes.get("_mixed_precision") else [reducer.comm_hook[1]]

@@ -106,6 +106,7 @@ class ShardedOptimizer:
         self._futures = WorkFutures()  # gloo's reduce-scatter has no future of its own
         self._holds_state = False  # whether any shard has optimizer state (equal on every rank)
         self._stepped_at = 0  # reducer.reductions that the user's step() has acknowledged
+        reducer.set_sharded(self._reduce_scatter, self._bucket_reduced)  # refuses before anything is rebound
         # Bound to the optimizer (an LR scheduler rebinds step's function to it), calling ours.
         optimizer.step = types.MethodType(lambda _optimizer, closure=None: self._step(closure), optimizer)  # type: ignore[method-assign]
         optimizer.state_dict = self.state_dict  # type: ignore[method-assign]
@@ -114,7 +115,6 @@ class ShardedOptimizer:
             module.register_forward_pre_hook(lambda _module, _inputs: self._before_forward()),
             module.register_state_dict_pre_hook(lambda _module, _prefix, _keep_vars: self.gather_parameters()),
         ]
-        reducer.set_sharded(self._reduce_scatter, self._bucket_reduced)
         reducer.set_reduction_callbacks(None, self._all_reduced)
         if stepped is not None:  # resharded: the state it has is cut into this rank's pieces
             optimizer.state.clear()

@@ -373,6 +373,16 @@ class OverlapDDP(nn.Module, Joinable):
             >>> guard = model.attach_optimizer(optimizer)
             >>> loss.backward(); optimizer.step()       # raises if a gradient is stale or in flight
         """
+        if self._reducer.sharded:
+            raise RuntimeError(
+                f"A sharded optimizer is attached to this model (rank {self._reducer.rank}): it owns the reduced "
+                "gradients, so no other optimizer can be attached."
+            )
+        if shard and (self._reducer.after_bucket_reduced is not None or self._reducer.after_all_reduced is not None):
+            raise RuntimeError(
+                f"An overlapped optimizer is attached to this model (rank {self._reducer.rank}); detach it before "
+                "attaching a sharded one."
+            )
         if shard:
             return self._attach_sharded(optimizer, overlap=overlap, max_grad_norm=max_grad_norm, scaler=scaler,
                                         allow_unsynced=allow_unsynced)
