@@ -88,15 +88,17 @@ class ProgressRecord:
         waiting = (mine.reductions + 1, bucket)
         self._write(Position(mine.iteration, mine.reductions, mine.dropped, mine.last_dropped, waiting))
 
-    def behind(self, bucket: int) -> str:
+    def behind(self, bucket: int, after_reduction: bool = False) -> str:
         """For an error on this rank's wait for ``bucket``: the ranks behind it and where each is.
 
-        A rank at this rank's position that is not waiting may be about to fail the same wait: it gets
-        ``GRACE_S`` to say so before it is counted as behind."""
+        ``after_reduction``: the wait belongs to the backward this rank last reduced (a sharded
+        optimizer's all-gather of the updated parameters), not to the one in progress. A rank at this
+        rank's position that is not waiting may be about to fail the same wait: it gets ``GRACE_S`` to
+        say so before it is counted as behind."""
         if self._store is None:
             return ""
         mine = self._mine
-        backward = mine.reductions + 1
+        backward = mine.reductions + (0 if after_reduction else 1)
         self._write(Position(mine.iteration, mine.reductions, mine.dropped, mine.last_dropped, (backward, bucket)))
         deadline = time.monotonic() + GRACE_S
         while True:
@@ -104,9 +106,12 @@ class ProgressRecord:
                 others = self._others()
             except Exception as error:  # the store went with a rank that died
                 return f" The ranks' progress records could not be read ({error})."
+            # A rank waiting in the same backward's reduction is at the same collective, unless this
+            # wait comes after that reduction.
             late = {
                 r: p for r, p in others.items()
-                if p is None or (p.reductions < backward and (p.waiting is None or p.waiting[0] != backward))
+                if p is None or (p.reductions < backward and (
+                    after_reduction or p.waiting is None or p.waiting[0] != backward))
             }
             here = (mine.iteration, mine.reductions, mine.dropped)
             unsure = [p for p in late.values()
@@ -114,7 +119,8 @@ class ProgressRecord:
             if not unsure or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        waited = f"rank {self._rank} waited for bucket {bucket} of backward {backward} (iteration {mine.iteration})"
+        what = "the all-gather of the updated parameters of bucket" if after_reduction else "bucket"
+        waited = f"rank {self._rank} waited for {what} {bucket} of backward {backward} (iteration {mine.iteration})"
         if not late:
             return f" Every other rank recorded reaching that backward ({waited})."
         listed = "; ".join(

@@ -141,6 +141,7 @@ class Reducer:
         # A sharded optimizer (sharded_optimizer.py) pads every bucket's buffer to a multiple of this
         # (the world size; see set_sharded).
         self._pad_to = 1
+        self._shard_abandoned: Callable[[], None] | None = None
         self._layouts = LayoutLifecycle(self.params, self._sparse_gradient, caps, options)
         self._configure(options)
         self._install_plan(self._layouts.initial_plan())
@@ -191,10 +192,14 @@ class Reducer:
         return self._shared.shard_sink is not None
 
     def set_sharded(
-        self, start: Callable[[Bucket], torch.futures.Future], sink: Callable[[int, list[bool]], None]
+        self,
+        start: Callable[[Bucket], torch.futures.Future],
+        sink: Callable[[int, list[bool]], None],
+        abandoned: Callable[[], None],
     ) -> None:
         """A sharded optimizer: reduce-scatter each padded bucket with ``start``; once complete, hand the
-        bucket's index and which of its parameters are written (globally used) to ``sink``."""
+        bucket's index and which of its parameters are written (globally used) to ``sink``; when an
+        iteration is dropped, call ``abandoned`` (what ``sink`` kept for the rest of it must go)."""
         if self.sharded:
             raise RuntimeError(f"A sharded optimizer is already attached to this model (rank {self.rank}).")
         if self.state is not ReducerState.IDLE or self.fence.in_flight():
@@ -204,6 +209,7 @@ class Reducer:
             )
         self._shared.reduction.set_shard_start(start)
         self._pad_to, self._shared.shard_sink = self.process_group.size(), sink
+        self._shard_abandoned = abandoned
         self._install_plan(self.plan)  # the same buckets over padded buffers
 
     # -- layout -------------------------------------------------------------------------------
@@ -578,5 +584,7 @@ class Reducer:
             self._used.reset()
         for pipeline in self.pipelines:
             pipeline.reset()
+        if self._shard_abandoned is not None:
+            self._shard_abandoned()
         self._iteration = _Iteration.empty(len(self.params))
         self.state = ReducerState.IDLE  # any -> IDLE: the iteration is dropped

@@ -106,7 +106,7 @@ class ShardedOptimizer:
         self._futures = WorkFutures()  # gloo's reduce-scatter has no future of its own
         self._holds_state = False  # whether any shard has optimizer state (equal on every rank)
         self._stepped_at = 0  # reducer.reductions that the user's step() has acknowledged
-        reducer.set_sharded(self._reduce_scatter, self._bucket_reduced)  # refuses before anything is rebound
+        reducer.set_sharded(self._reduce_scatter, self._bucket_reduced, self._abandoned)  # refuses before anything is rebound
         # Bound to the optimizer (an LR scheduler rebinds step's function to it), calling ours.
         optimizer.step = types.MethodType(lambda _optimizer, closure=None: self._step(closure), optimizer)  # type: ignore[method-assign]
         optimizer.state_dict = self.state_dict  # type: ignore[method-assign]
@@ -193,6 +193,13 @@ class ShardedOptimizer:
             self._update(index)
         self._waiting = []
 
+    def _abandoned(self) -> None:
+        """The reducer dropped the iteration (a failed reduction): the buckets waiting for the norm and
+        their shares of it go with it, so the next backward's norm and updates are its own. (Each
+        piece's gradient is set anew when its bucket is next reduced.) Without clipping, buckets
+        updated before the failure keep their update; their all-gathers complete at the next forward."""
+        self._waiting, self._squares = [], []
+
     def _clip(self, max_norm: float) -> None:
         """Scale every piece's gradient as ``clip_grad_norm_`` would, with the norm of all gradients: the
         sum of squares of each rank's pieces (in float64), summed over ranks, its root rounded once."""
@@ -241,7 +248,10 @@ class ShardedOptimizer:
         """Complete every launched all-gather and copy the updated values into the parameters."""
         for index in sorted(self._gathers):
             work, gathered = self._gathers.pop(index)
-            work.wait()
+            try:
+                work.wait()
+            except Exception as error:
+                raise self._gather_failed(index, error) from error
             shard = self._buckets[index].shard
             members = self._plan.buckets[index]
             with torch.no_grad():
@@ -250,6 +260,18 @@ class ShardedOptimizer:
                     [gathered.narrow(0, offset, self._params[i].numel()) for i, offset in
                      zip(members, shard.offsets, strict=True)],
                 )
+
+    def _gather_failed(self, index: int, error: Exception) -> RuntimeError:
+        """The error for a failed all-gather: the bucket, this rank, and (from the progress records)
+        the ranks behind."""
+        names = [self._reducer.names[i] for i in self._plan.buckets[index]]
+        listed = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+        return RuntimeError(
+            f"The all-gather of the updated parameters of bucket {index} ({len(names)} parameters: {listed}) "
+            f"failed on rank {self.rank}: {error}. Another rank may have died or timed out."
+            f"{self._reducer.progress.behind(index, after_reduction=True)} These parameters hold their values "
+            "from before the last update on this rank; the process group may no longer be usable."
+        )
 
     def _before_forward(self) -> None:
         self.gather_parameters()

@@ -328,3 +328,55 @@ def test_step_without_a_synchronized_backward_raises(one_rank):
     opt.step()
     with pytest.raises(RuntimeError, match="none has run since the last step"):
         opt.step()
+
+
+class _FailedWork:
+    """A collective that failed (a peer timed out): its future holds the error."""
+
+    def get_future(self) -> torch.futures.Future:
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_exception(RuntimeError("simulated collective timeout"))
+        return future
+
+
+def _clipped_sgd(seed_model: torch.nn.Module) -> tuple[OverlapDDP, torch.optim.Optimizer]:
+    model = OverlapDDP(copy.deepcopy(seed_model), bucket_cap_mb=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model.attach_optimizer(opt, shard=True, max_grad_norm=0.05)
+    return model, opt
+
+
+def test_an_iteration_dropped_mid_reduction_leaves_no_clipping_state_behind(one_rank, monkeypatch):
+    """After a first step (DDP's one-bucket layout), bucket 1's reduce-scatter fails once bucket 0 was
+    reduced: with clipping nothing was updated, so the next steps must equal those of a model that
+    never ran the failed backward."""
+    from overlapddp import sharded_optimizer
+
+    seed_model = models.build("transformer")
+    failing, failing_opt = _clipped_sgd(seed_model)
+    fresh, fresh_opt = _clipped_sgd(seed_model)
+    launches = []
+    real = sharded_optimizer.reduce_scatter_flat
+
+    def second_fails(*args: Any, **kwargs: Any) -> Any:
+        launches.append(None)
+        return _FailedWork() if len(launches) == 2 else real(*args, **kwargs)
+
+    def step(model: OverlapDDP, opt: torch.optim.Optimizer, index: int) -> None:
+        inputs, target = models.batch("transformer", 0, index)
+        models.loss_of(model(inputs), target).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for model, opt in ((failing, failing_opt), (fresh, fresh_opt)):
+        step(model, opt, 0)
+    with monkeypatch.context() as patched:
+        patched.setattr(sharded_optimizer, "reduce_scatter_flat", second_fails)
+        with pytest.raises(RuntimeError, match="The reduction of bucket 1"):
+            step(failing, failing_opt, 1)
+    failing_opt.zero_grad()
+    for index in range(2, 5):
+        for model, opt in ((failing, failing_opt), (fresh, fresh_opt)):
+            step(model, opt, index)
+        assert _equal_modules(fresh, failing), f"step {index}"
+        assert _equal_state(failing_opt.state_dict(), fresh_opt.state_dict()), f"step {index}"
