@@ -106,7 +106,8 @@ class ShardedOptimizer:
         self._futures = WorkFutures()  # gloo's reduce-scatter has no future of its own
         self._holds_state = False  # whether any shard has optimizer state (equal on every rank)
         self._stepped_at = 0  # reducer.reductions that the user's step() has acknowledged
-        reducer.set_sharded(self._reduce_scatter, self._bucket_reduced, self._abandoned)  # refuses before anything is rebound
+        # Refuses before anything is rebound.
+        reducer.set_sharded(self._reduce_scatter, self._bucket_reduced, self._abandoned)
         # Bound to the optimizer (an LR scheduler rebinds step's function to it), calling ours.
         optimizer.step = types.MethodType(lambda _optimizer, closure=None: self._step(closure), optimizer)  # type: ignore[method-assign]
         optimizer.state_dict = self.state_dict  # type: ignore[method-assign]

@@ -67,7 +67,7 @@ def test_survivors_of_a_rank_dead_before_its_all_gathers_raise_naming_the_bucket
     results = run_ranks(3, _rank_dies_before_its_all_gathers, pg_timeout_s=20, timeout_s=120, dying=frozenset({2}))
     for rank, facts in enumerate(results[:2]):
         message = facts["message"]
-        assert f"The all-gather of the updated parameters of bucket 0 (" in message, message
+        assert "The all-gather of the updated parameters of bucket 0 (" in message, message
         assert f"failed on rank {rank}" in message and "rank 2: at iteration 2" in message, message
         assert facts["seconds"] < 60
 
