@@ -49,6 +49,8 @@ HOOK_VALUES = "tests/test_comm_hooks.py::test_hook_parameters_and_buffers_equal_
 HOOK_ORDER = ("tests/test_option_pairs.py::"
               "test_collectives_started_between_a_hooks_callbacks_keep_one_order_on_every_rank")
 USER_INPUTS = "tests/test_user_inputs.py::test_user_inputs_and_outputs_are_bit_equal_to_ddp_in_every_mode"
+SHARDED_WS2 = "tests/test_sharded_optimizer.py::test_sharded_updates_are_bit_equal_to_ddp_and_the_same_optimizer[2]"
+SHARDED_WS3 = "tests/test_sharded_optimizer.py::test_sharded_updates_are_bit_equal_to_ddp_and_the_same_optimizer[3]"
 TOKENS_EXACT = "tests/test_token_weighting.py::test_token_weighting_is_bit_equal_to_ddp_dividing_by_the_global_count_every_step"
 
 
@@ -420,6 +422,62 @@ MUTATIONS = (
         "                if not self._shared.reduction.issues_from_callbacks:  # else finalize launches it\n",
         "                if True:\n",
         (HOOK_ORDER,),
+    ),
+    Mutation(
+        "shard_gathers_not_waited_at_forward",
+        "sharded optimizer: the next forward runs before the updated parameters' all-gathers completed",
+        "overlapddp/sharded_optimizer.py",
+        "        self.gather_parameters()\n        self._relayout_if_replanned()\n",
+        "        self._relayout_if_replanned()\n",
+        (SHARDED_WS2,),
+    ),
+    Mutation(
+        "shard_clip_norm_local_only",
+        "sharded clipping: each rank clips with the norm of its own pieces, not the global norm",
+        "overlapddp/sharded_optimizer.py",
+        "        dist.all_reduce(local, group=self._group)\n",
+        "",
+        (SHARDED_WS2,),
+    ),
+    Mutation(
+        "shard_settings_not_mirrored",
+        "sharded optimizer: the shards keep the settings they were built with; an LR scheduler's change is lost",
+        "overlapddp/sharded_optimizer.py",
+        "                    inner_group.update(_hyperparameters(group))\n",
+        "                    pass\n",
+        (SHARDED_WS2,),
+    ),
+    Mutation(
+        "shard_unused_gets_zero_gradient",
+        "sharded optimizer: a parameter no rank used gets the zero shard instead of no gradient (Adam steps it)",
+        "overlapddp/sharded_optimizer.py",
+        "        if written:\n            return reduced\n",
+        "        return reduced\n",
+        (SHARDED_WS2,),
+    ),
+    Mutation(
+        "shard_clipping_state_kept_after_abandon",
+        "sharded clipping: a dropped iteration's buckets and norm shares are kept into the next backward",
+        "overlapddp/sharded_optimizer.py",
+        "        self._waiting, self._squares = [], []\n",
+        "        pass\n",
+        ("tests/test_sharded_optimizer.py::test_an_iteration_dropped_mid_reduction_leaves_no_clipping_state_behind",),
+    ),
+    Mutation(
+        "shard_gather_failure_unnamed",
+        "sharded optimizer: a failed all-gather raises gloo's bare error, naming no bucket or rank behind",
+        "overlapddp/sharded_optimizer.py",
+        "                raise self._gather_failed(index, error) from error\n",
+        "                raise\n",
+        ("tests/test_reliability.py::test_survivors_of_a_rank_dead_before_its_all_gathers_raise_naming_the_bucket_and_the_rank",),
+    ),
+    Mutation(
+        "shard_checkpoint_piece_at_shard_offset",
+        "sharded DCP checkpoint: each piece saved at its offset in the rank's shard, not in its parameter",
+        "overlapddp/sharded_checkpoint.py",
+        "ShardMetadata([piece.start], [piece.length]",
+        "ShardMetadata([piece.shard_offset], [piece.length]",
+        (SHARDED_WS3,),
     ),
 )
 
