@@ -94,6 +94,15 @@ def _equal_modules(ddp: Any, ours: Any) -> bool:
     return all(torch.equal(a, b) for a, b in zip(ddp.state_dict().values(), ours.state_dict().values(), strict=True))
 
 
+def _equal_as_read(ddp: Any, ours: Any) -> bool:
+    """Every parameter and buffer ``torch.equal``, read as a forward reads them: directly, since our
+    ``state_dict()`` would complete pending all-gathers and hide a forward that did not wait for them."""
+    def tensors(wrapper: Any) -> list[torch.Tensor]:
+        return [*wrapper.module.parameters(), *wrapper.module.buffers()]
+
+    return all(torch.equal(a, b) for a, b in zip(tensors(ddp), tensors(ours), strict=True))
+
+
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     """How many float32 values lie between ``a`` and ``b`` (both positive)."""
     return abs(int(a.float().view(torch.int32)) - int(b.float().view(torch.int32)))
@@ -103,6 +112,7 @@ def _run_case(
     rank: int, case: Case, delay: str | None, unfenced_reads: bool = False, norm_ulps: list[int] | None = None
 ) -> list[tuple[bool, bool]]:
     """Train DDP and the sharded wrapper side by side; per step, (parameters equal, state equal).
+    A step's parameters are compared once the next forward ran (as it read them), the last step's at the end.
 
     With clipping, DDP's gradients are clipped by torch's ``clip_grads_with_norm_`` with the norm the
     shards found (so the rest must be bit-equal), and that norm's distance in ulps from
@@ -119,34 +129,40 @@ def _run_case(
     sharded = ours.attach_optimizer(our_opt, shard=True, max_grad_norm=case.clip) if case.attach_after == 0 else None
     schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (ddp_opt, our_opt)
                   if case.scheduler]
-    equal = []
+    params_equal, state_equal = [], []
     for step in range(STEPS):
         if step == case.attach_after and sharded is None:
             sharded = ours.attach_optimizer(our_opt, shard=True)
-        for wrapper, opt in ((ours, our_opt), (ddp, ddp_opt)):
-            for micro in range(case.accumulate):
-                inputs, target = models.batch(case.model, rank, step * case.accumulate + micro)
-                last = micro == case.accumulate - 1
-                wrapper.require_backward_grad_sync = last
-                with ExitStack() as delayed:
-                    if wrapper is ours and delay == "reduce_scatter":
-                        delayed.enter_context(delay_communication(ours, 1, DELAY_S))
-                    if wrapper is ours and delay == "gather" and sharded is not None:
-                        delayed.enter_context(delay_parameter_gathers(sharded, 1, DELAY_S))
-                    if wrapper is ours and unfenced_reads:
-                        delayed.enter_context(unfenced(ours))
-                    models.loss_of(wrapper(inputs), target).backward()
-            if wrapper is ddp and case.clip is not None:
-                grads = [p.grad for p in ddp.parameters() if p.grad is not None]
-                theirs, used = torch.nn.utils.get_total_norm(grads), sharded.last_grad_norm
-                cast(list, norm_ulps).append(_ulps(used, theirs))
-                torch.nn.utils.clip_grads_with_norm_(ddp.parameters(), case.clip, used)
+        for micro in range(case.accumulate):
+            inputs, target = models.batch(case.model, rank, step * case.accumulate + micro)
+            with ExitStack() as delayed:  # each context acts on ours only
+                if delay == "reduce_scatter":
+                    delayed.enter_context(delay_communication(ours, 1, DELAY_S))
+                if delay == "gather" and sharded is not None:
+                    delayed.enter_context(delay_parameter_gathers(sharded, 1, DELAY_S))
+                if unfenced_reads:
+                    delayed.enter_context(unfenced(ours))
+                losses = []
+                for wrapper in (ours, ddp):
+                    wrapper.require_backward_grad_sync = micro == case.accumulate - 1
+                    losses.append(models.loss_of(wrapper(inputs), target))
+                if step and micro == 0:
+                    params_equal.append(_equal_as_read(ddp, ours))  # the previous step's
+                for loss in losses:
+                    loss.backward()
+        if case.clip is not None:
+            grads = [p.grad for p in ddp.parameters() if p.grad is not None]
+            theirs, used = torch.nn.utils.get_total_norm(grads), sharded.last_grad_norm
+            cast(list, norm_ulps).append(_ulps(used, theirs))
+            torch.nn.utils.clip_grads_with_norm_(ddp.parameters(), case.clip, used)
+        for opt in (our_opt, ddp_opt):
             opt.step()
             opt.zero_grad()
         for scheduler in schedulers:
             scheduler.step()
-        equal.append((_equal_modules(ddp, ours), _equal_state(our_opt.state_dict(), ddp_opt.state_dict())))
-    return equal
+        state_equal.append(_equal_state(our_opt.state_dict(), ddp_opt.state_dict()))
+    params_equal.append(_equal_modules(ddp, ours))  # the last step's, its all-gathers completed by state_dict()
+    return list(zip(params_equal, state_equal, strict=True))
 
 
 def _train_and_compare(rank: int, ddp: Any, ddp_opt: Any, ours: Any, our_opt: Any, steps: range) -> list:
