@@ -274,6 +274,7 @@ class ShardedOptimizer:
             "from before the last update on this rank; the process group may no longer be usable."
         )
 
+    @torch.compiler.disable  # under torch.compile(OverlapDDP(...)) the module's pre-hooks are traced: run eagerly
     def _before_forward(self) -> None:
         self.gather_parameters()
         self._relayout_if_replanned()

@@ -50,6 +50,7 @@ class Case:
     scheduler: bool = False  # an LR scheduler that changes lr every step
     attach_after: int = 0  # steps the optimizer takes unsharded before it is attached (then resharded)
     clip: float | None = None  # max_grad_norm (small enough that every step clips)
+    compiled: str | None = None  # "inner": Wrapper(compile(model)); "outer": compile(Wrapper(model)); aot_eager
 
 
 CASES = {
@@ -67,6 +68,8 @@ CASES = {
     "clipped_sgd": Case("transformer", _sgd, clip=0.05),
     "clipped_adamw_two_groups": Case("transformer", _two_groups, clip=0.05),
     "resharded_after_two_steps": Case("transformer", lambda ps: torch.optim.Adam(ps, lr=1e-3), attach_after=2),
+    "compiled_inner_adamw": Case("mlp", lambda ps: torch.optim.AdamW(ps, lr=1e-3), compiled="inner"),
+    "compiled_outer_adamw_clipped": Case("mlp", lambda ps: torch.optim.AdamW(ps, lr=1e-3), compiled="outer", clip=0.05),
 }
 QUICK = ("sgd_momentum_wd_nesterov", "adam")  # the cases run with a delayed rank
 NORM_ULPS = 2  # the clipping norm from the shards is within this many ulps of clip_grad_norm_'s (see docs)
@@ -108,6 +111,16 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     return abs(int(a.float().view(torch.int32)) - int(b.float().view(torch.int32)))
 
 
+def _wrapped_as(wrapper: type, case: Case, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """The wrapper and what the loop calls (the wrapper, or the compiled wrapper), in the case's form."""
+    if case.compiled == "outer":
+        model = wrapper(models.build(case.model), **kwargs)
+        return model, torch.compile(model, backend="aot_eager")
+    module = models.build(case.model)
+    model = wrapper(torch.compile(module, backend="aot_eager") if case.compiled else module, **kwargs)
+    return model, model
+
+
 def _run_case(
     rank: int, case: Case, delay: str | None, unfenced_reads: bool = False, norm_ulps: list[int] | None = None
 ) -> list[tuple[bool, bool]]:
@@ -122,8 +135,9 @@ def _run_case(
     the reduce-scatter delay) lets the update read each shard without waiting for it: the bug the
     fence prevents, which the comparison must see."""
     kwargs = {"bucket_cap_mb": 0.01, **case.ddp_kwargs}  # several buckets, parameters cut by shards
-    ddp = DistributedDataParallel(models.build(case.model), **kwargs)
-    ours = OverlapDDP(models.build(case.model), **kwargs)
+    torch._dynamo.reset()  # each case traces its own frames
+    ddp, run_ddp = _wrapped_as(DistributedDataParallel, case, kwargs)
+    ours, run_ours = _wrapped_as(OverlapDDP, case, kwargs)
     ddp_opt = case.optimizer([p for p in ddp.parameters()])
     our_opt = case.optimizer([p for p in ours.parameters()])
     sharded = ours.attach_optimizer(our_opt, shard=True, max_grad_norm=case.clip) if case.attach_after == 0 else None
@@ -143,9 +157,9 @@ def _run_case(
                 if unfenced_reads:
                     delayed.enter_context(unfenced(ours))
                 losses = []
-                for wrapper in (ours, ddp):
+                for wrapper, run in ((ours, run_ours), (ddp, run_ddp)):
                     wrapper.require_backward_grad_sync = micro == case.accumulate - 1
-                    losses.append(models.loss_of(wrapper(inputs), target))
+                    losses.append(models.loss_of(run(inputs), target))
                 if step and micro == 0:
                     params_equal.append(_equal_as_read(ddp, ours))  # the previous step's
                 for loss in losses:
