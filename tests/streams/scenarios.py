@@ -257,6 +257,22 @@ def _overlap_clip(sim: Sim) -> None:
     done(sim)
 
 
+@scenario("sharded optimizer: SGD with momentum, forward and backward on their own streams")
+def _sharded(sim: Sim) -> None:
+    model = wrap(sim)
+    opt = sgd(model)
+    model.attach_optimizer(opt, shard=True)
+    train(sim, model, opt, steps=4, forward="forward", backward=("backward",))
+
+
+@scenario("sharded optimizer: Adam with max_grad_norm, the backward stream alternating")
+def _sharded_clip(sim: Sim) -> None:
+    model = wrap(sim)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model.attach_optimizer(opt, shard=True, max_grad_norm=1.0)
+    train(sim, model, opt, steps=4, forward="forward", backward=("backward A", "backward B"))
+
+
 @scenario("guard: step, zero_grad, clipping and unscale on a second stream")
 def _guard_side(sim: Sim) -> None:
     model = wrap(sim)
@@ -723,6 +739,14 @@ def _gloo_tokens(sim: Sim) -> None:
     model.attach_optimizer(opt)
     train(sim, lambda x: model(x, use_extra=sim.context.endswith("1")), opt,  # type: ignore[arg-type]
           per_step=lambda i: model.count_tokens(3 + i))
+
+
+@scenario("gloo: sharded optimizer", backend="gloo")
+def _gloo_sharded(sim: Sim) -> None:
+    model = wrap(sim, on_cuda=False)
+    opt = sgd(model)
+    model.attach_optimizer(opt, shard=True)
+    train(sim, model, opt)
 
 
 class _Sparse(nn.Module):
