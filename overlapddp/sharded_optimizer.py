@@ -250,9 +250,11 @@ class ShardedOptimizer:
         for index in sorted(self._gathers):
             work, gathered = self._gathers.pop(index)
             try:
-                work.wait()
+                work.wait()  # NCCL: the current stream waits for the all-gather's end
             except Exception as error:
                 raise self._gather_failed(index, error) from error
+            if gathered.is_cuda:  # made at the end of backward, freed here: kept until this stream's copy ran
+                gathered.record_stream(torch.cuda.current_stream(gathered.device))
             shard = self._buckets[index].shard
             members = self._plan.buckets[index]
             with torch.no_grad():

@@ -56,14 +56,6 @@ NOT_RUN = [
     ("overlapddp/testing.py", "_device_sleep(seconds)", "the same"),
     ("overlapddp/testing.py", "future.wait()", "drains the collectives a GPU mutation run left unwaited (tests/gpu)"),
     ("overlapddp/torch_compat.py", 'sleep = getattr(torch.cuda, "_sleep", None)', "torch.cuda._sleep: GPU only"),
-    ("overlapddp/bucket_reduction.py", "self._hook_future.wait()", "the wait for a PowerSGD-like chain before the "
-     "usage all-reduce: no stream scenario registers a chained hook with find_unused_parameters yet "
-     "(tests/test_option_pairs.py runs it on gloo)"),
-    ("overlapddp/integrations/torchft.py", "work.wait()", "torchft runs on gloo only so far (docs/frameworks.md); "
-     "tests/test_torchft.py runs it"),
-    ("overlapddp/sharded_optimizer.py", "work.wait()", "the sharded optimizer has no CUDA fences yet "
-     "(docs/sharded_optimizer.md); tests/test_sharded_optimizer.py runs it on gloo"),
-    ("overlapddp/work_futures.py", "work.wait()", "the same: the sharded optimizer's reduce-scatter futures, gloo only"),
 ]
 
 

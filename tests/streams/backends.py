@@ -35,10 +35,15 @@ NCCL (``torch/csrc/distributed/c10d/ProcessGroupNCCL.{hpp,cpp}``, ``ATen/core/iv
   none and its ``wait()`` orders nothing;
 - N6 a sparse tensor is refused (``ProcessGroupNCCL::allreduce``, .cpp).
 
+The flat reduce-scatter and all-gather (``reduce_scatter_tensor``, ``all_gather_into_tensor`` and
+their ``*_single`` names; ``ProcessGroupNCCL::_reduce_scatter_base``, ``_allgather_base``) go through
+the same ``collective`` with an input and an output: N1 to N4 hold for them, the stash keeping both.
+
 Gloo (CPU, ``ProcessGroupGloo.cpp``): an async collective reads and writes its tensors on a worker
 thread, modelled as one more stream that starts after the host and that the host joins when it waits
 on the work or its future; callbacks run on that worker after the collective. A sparse all-reduce
-replaces its input's indices and values there.
+replaces its input's indices and values there. Its reduce-scatter's work has no future
+(``get_future()`` raises "Work::getFuture not implemented").
 
 The autograd engine (``torch/csrc/autograd/``):
 
@@ -121,22 +126,26 @@ class SimFuture(Future):
 
 
 class SimWork:
-    """A collective's ``Work`` under the model; ``stash``: the tensors NCCL keeps until the work is
-    waited (N1, N2)."""
+    """A collective's ``Work`` under the model: ``tensors``, its result (the output); ``inputs``, what
+    else it read; ``stash``: the stream NCCL keeps them all for until the work is waited (N1, N2);
+    ``has_future``: False for gloo's reduce-scatter, whose ``get_future()`` raises."""
 
     def __init__(self, backend: "Backend", tensors: list[torch.Tensor], after: Any,
-                 stash: SimStream | None = None) -> None:
+                 stash: SimStream | None = None, inputs: tuple[torch.Tensor, ...] = (),
+                 has_future: bool = True) -> None:
         self._backend = backend
         self._tensors = tensors
+        self._inputs = inputs
         self._after = after
         self._stash = stash
+        self._has_future = has_future
 
     def wait(self, timeout: Any = None) -> bool:
         if self._backend.sim.mutated("wait"):
             return True
         self._backend.join(self._after, None)
         if self._stash is not None:
-            for tensor in self._tensors:
+            for tensor in [*self._tensors, *self._inputs]:
                 self._backend.sim.release(tensor, self._stash)
             self._stash = None
         return True
@@ -148,6 +157,8 @@ class SimWork:
         return list(self._tensors)
 
     def get_future(self) -> Future:
+        if not self._has_future:
+            raise RuntimeError("Work::getFuture not implemented.")  # gloo's reduce-scatter, as torch says it
         return SimFuture(self._backend, list(self._tensors), self._after)
 
 
@@ -161,6 +172,16 @@ class Backend:
 
     def collective(self, tensor: torch.Tensor, what: str, async_op: bool) -> SimWork | None:
         raise NotImplementedError
+
+    def flat_collective(self, output: torch.Tensor, input: torch.Tensor, what: str, async_op: bool) -> SimWork | None:
+        """``reduce_scatter_tensor`` or ``all_gather_into_tensor``: reads ``input``, writes ``output``."""
+        raise NotImplementedError
+
+    @staticmethod
+    def one_rank_result(output: torch.Tensor, input: torch.Tensor) -> None:
+        """A one-rank group's result: the output is the input (the detector's own copy is no access)."""
+        with _disable_current_modes(), torch.no_grad():
+            output.copy_(input)
 
     def peer(self, tensor: torch.Tensor, what: str) -> None:
         """A fake second rank's contribution to the result, if the scenario has one (``Sim.peer``)."""
@@ -205,6 +226,24 @@ class Nccl(Backend):
         self.sim.keep_alive(tensor, self.stream)  # N1: the stash
         return SimWork(self, [tensor], self.end_of(self.stream), stash=self.stream)
 
+    def flat_collective(self, output: torch.Tensor, input: torch.Tensor, what: str, async_op: bool) -> SimWork | None:
+        """N1 to N4 for a collective with its own output (``ProcessGroupNCCL::_reduce_scatter_base`` and
+        ``_allgather_base`` go through the same ``collective`` as ``allreduce``): both tensors stashed."""
+        stream = self.stream if async_op else self.sim.current  # N3: synchronous on the current stream
+        if async_op:
+            self.sim.wait_stream(self.stream, self.sim.current)  # N1
+            self.stream.op_start = self.stream.clock.get(self.stream.name, 0)
+        label = f"nccl {what}" + ("" if async_op else " (synchronous)")
+        self.sim.access(input, False, label, stream)
+        self.one_rank_result(output, input)
+        self.sim.access(output, True, label, stream)
+        self.peer(output, what)
+        if not async_op:
+            return None
+        for tensor in (output, input):
+            self.sim.keep_alive(tensor, self.stream)  # N1: the stash
+        return SimWork(self, [output], self.end_of(self.stream), stash=self.stream, inputs=(input,))
+
     def end_of(self, stream: SimStream) -> SimEvent:
         event = SimEvent(self.sim)
         self.sim.merge_host(stream)
@@ -247,6 +286,21 @@ class Gloo(Backend):
         self.sim.access(tensor, True, f"gloo {what}", worker)  # sparse: replaces its indices and values
         self.sim.keep_alive(tensor, worker)  # the work holds its tensors until it ran
         work = SimWork(self, [tensor], worker)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def flat_collective(self, output: torch.Tensor, input: torch.Tensor, what: str, async_op: bool) -> SimWork | None:
+        """On a worker thread, like ``collective``; the reduce-scatter's work has no future."""
+        worker = self.sim.new_stream("gloo worker ")
+        self.sim.wait_stream(worker, self.sim.current)
+        self.sim.access(input, False, f"gloo {what}", worker)
+        self.one_rank_result(output, input)
+        self.sim.access(output, True, f"gloo {what}", worker)
+        for tensor in (output, input):
+            self.sim.keep_alive(tensor, worker)
+        work = SimWork(self, [output], worker, inputs=(input,), has_future=what != "reduce_scatter")
         if async_op:
             return work
         work.wait()
@@ -417,6 +471,13 @@ def simulate(sim: Sim, backend: str = "nccl") -> Iterator[Backend]:  # noqa: C90
     def broadcast(tensor: torch.Tensor, src: Any = None, group: Any = None, async_op: bool = False, **_: Any):
         return model.collective(tensor, "broadcast", async_op)
 
+    def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None,
+                       async_op: bool = False):
+        return model.flat_collective(output, input, "reduce_scatter", async_op)
+
+    def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False):
+        return model.flat_collective(output, input, "all_gather", async_op)
+
     def cuda_stream(device: Any = None, priority: int = 0, **_: Any) -> SimStream:
         site = package_site(1)
         if site is not None:
@@ -463,6 +524,8 @@ def simulate(sim: Sim, backend: str = "nccl") -> Iterator[Backend]:  # noqa: C90
         (dist, "get_backend", lambda group=None: model.name),
         (dist, "all_reduce", all_reduce),
         (dist, "broadcast", broadcast),
+        *[(where, name, reduce_scatter) for where, name in _flat_names("reduce_scatter")],
+        *[(where, name, all_gather) for where, name in _flat_names("all_gather")],
         (torch.cuda, "Stream", cuda_stream),
         (torch.cuda, "Event", lambda *a, **k: SimEvent(sim, *a, **k)),
         (torch.cuda, "current_stream", lambda device=None: sim.current),
@@ -499,3 +562,13 @@ def _reducer_module() -> Any:
     from overlapddp import reducer
 
     return reducer
+
+
+def _flat_names(kind: str) -> list[tuple[Any, str]]:
+    """Every name the flat ``kind`` collective is reached by: torch's (old and new), torch_compat's,
+    and the sharded optimizer's import of it."""
+    from overlapddp import sharded_optimizer
+
+    old = {"reduce_scatter": "reduce_scatter_tensor", "all_gather": "all_gather_into_tensor"}[kind]
+    names = [(dist, old), (torch_compat, f"{kind}_flat"), (sharded_optimizer, f"{kind}_flat")]
+    return names + ([(dist, f"{kind}_single")] if hasattr(dist, f"{kind}_single") else [])

@@ -195,6 +195,18 @@ def _powersgd(sim: Sim) -> None:
     train(sim, model, sgd(model), steps=4)
 
 
+@scenario("PowerSGD with find_unused_parameters: the usage all-reduce after every hook chain")
+def _powersgd_unused(sim: Sim) -> None:
+    model = wrap(sim, _Branchy(), find_unused_parameters=True)
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                        min_compression_rate=0.5, use_error_feedback=True, warm_start=True)
+    model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    opt = sgd(model)
+    model.attach_optimizer(opt)
+    train(sim, lambda x: model(x, use_extra=sim.context != "iteration 2"), opt, steps=4,  # type: ignore[arg-type]
+          forward="forward", backward=("backward",))
+
+
 def _late_writer_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """A custom hook whose callback writes its result late on its own (pool) stream, into a new tensor."""
 
@@ -255,6 +267,22 @@ def _overlap_clip(sim: Sim) -> None:
             scaler.update()
             opt.zero_grad()
     done(sim)
+
+
+@scenario("sharded optimizer: SGD with momentum, forward and backward on their own streams")
+def _sharded(sim: Sim) -> None:
+    model = wrap(sim)
+    opt = sgd(model)
+    model.attach_optimizer(opt, shard=True)
+    train(sim, model, opt, steps=4, forward="forward", backward=("backward",))
+
+
+@scenario("sharded optimizer: Adam with max_grad_norm, the backward stream alternating")
+def _sharded_clip(sim: Sim) -> None:
+    model = wrap(sim)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model.attach_optimizer(opt, shard=True, max_grad_norm=1.0)
+    train(sim, model, opt, steps=4, forward="forward", backward=("backward A", "backward B"))
 
 
 @scenario("guard: step, zero_grad, clipping and unscale on a second stream")
@@ -723,6 +751,39 @@ def _gloo_tokens(sim: Sim) -> None:
     model.attach_optimizer(opt)
     train(sim, lambda x: model(x, use_extra=sim.context.endswith("1")), opt,  # type: ignore[arg-type]
           per_step=lambda i: model.count_tokens(3 + i))
+
+
+@scenario("gloo: sharded optimizer", backend="gloo")
+def _gloo_sharded(sim: Sim) -> None:
+    model = wrap(sim, on_cuda=False)
+    opt = sgd(model)
+    model.attach_optimizer(opt, shard=True)
+    train(sim, model, opt)
+
+
+@scenario("gloo: torchft, buckets completed on the integration's thread", backend="gloo")
+def _gloo_torchft(sim: Sim) -> None:
+    from torchft.manager import Manager
+
+    from overlapddp.integrations import torchft
+
+    class OneReplica(Manager):
+        """A manager of one participant, without its lighthouse: its all-reduce is the group's (the model's
+        gloo work; torchft's division by one participant, on the waiting thread, is left out)."""
+
+        def __init__(self) -> None:  # no quorum, no store, no threads of its own
+            self._use_async_quorum = False
+
+        def register_state_dict_fn(self, *_: Any) -> None:
+            pass
+
+        def allreduce(self, tensor: torch.Tensor, *_: Any, **__: Any) -> Any:
+            return dist.all_reduce(tensor, async_op=True)
+
+    model = torchft.DistributedDataParallel(OneReplica(), net(), bucket_cap_mb=BUCKET_MB)
+    opt = sgd(model)
+    model.attach_optimizer(opt)
+    train(sim, model, opt)
 
 
 class _Sparse(nn.Module):
