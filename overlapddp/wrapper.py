@@ -442,6 +442,18 @@ class OverlapDDP(nn.Module, Joinable):
             >>> model.count_tokens(int(mask.sum()))
             >>> loss = F.cross_entropy(model(x)[mask], y[mask], reduction="sum"); loss.backward()
         """
+        refused = [
+            (self._mixed_precision is not None, "mixed_precision",
+             "its reduction (cast, sum and division by the world size in reduce_dtype) is a communication hook"),
+            (self._reducer.delayed is not None, "delay_all_reduce_named_params",
+             "the delayed parameters are all-reduced apart from the buckets and divided by the world size"),
+        ]
+        for present, option, why in refused:
+            if present:
+                raise ValueError(
+                    f"count_tokens cannot be combined with {option} (rank {self._reducer.rank}): {why}; nothing "
+                    "would divide their gradients by the global token count."
+                )
         self._reducer.enable_token_weighting().add(tokens)
 
     def bucket_indices(self) -> list[list[int]]:

@@ -187,3 +187,17 @@ HOOKS: dict[str, HookSpec] = {
     "batched_powerSGD": HookSpec(_power_sgd_state, _batched_powersgd),
     "batched_powerSGD/sync": HookSpec(_power_sgd_state, _batched_powersgd, reference=synchronous(_batched_powersgd)),
 }
+
+
+def divide_by_total_hook(state, bucket):
+    """``count_tokens``' reference on stock DDP, which hands a hook the unscaled bucket: scale it as
+    OverlapDDP scales a token-weighted bucket (times ``1/state["total"]`` while copying in; with
+    ``state["batched"]`` (batched_grad_copy), one true division by the total), then sum. Not
+    annotated: under ``from __future__ import annotations`` DDP's check sees strings and refuses."""
+    buffer = bucket.buffer()
+    if state["batched"]:
+        buffer.div_(state["total"])
+    else:
+        buffer.mul_(1.0 / state["total"])
+    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda f: f.value()[0])
+

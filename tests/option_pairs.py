@@ -15,6 +15,7 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -37,6 +38,9 @@ FACTORS: dict[str, list[Any]] = {
     "delay_all_reduce": [False, True],  # delay_all_reduce_named_params=[mid.weight], hooked on first.weight
     "optimizer": ["plain", "guard", "overlap"],  # OverlapDDP.attach_optimizer(...), overlap=True
     "compile": [False, True],  # the module under torch.compile(backend="aot_eager") in both wrappers
+    # OverlapDDP.count_tokens per micro-batch, sum losses, batches of 1 to 3 rows by rank and step;
+    # stock DDP divides each bucket by the global count in a hook (tests/hooks.py: divide_by_total_hook).
+    "count_tokens": [False, True],
 }
 
 
@@ -51,10 +55,19 @@ NO_REFERENCE = [
 ]
 
 
+# Pairs OverlapDDP refuses with a clear error, left out of the rows (test_option_pairs.py checks each
+# refusal on one rank): (option, value, option, value, what the error says).
+REFUSED = [
+    ("hook", "fp16_compress", "count_tokens", True, "count_tokens cannot be combined with the communication hook"),
+    ("hook", "powerSGD/sync", "count_tokens", True, "count_tokens cannot be combined with the communication hook"),
+    ("delay_all_reduce", True, "count_tokens", True, "count_tokens cannot be combined with delay_all_reduce_named_params"),
+]
+
+
 def _has_reference(values: list[Any]) -> bool:
     """allpairspy's filter: ``values`` is a row's prefix, in ``FACTORS`` order."""
     row = dict(zip(FACTORS, values, strict=False))
-    return not any(row.get(a) == x and row.get(b) == y for a, x, b, y, _ in NO_REFERENCE)
+    return not any(row.get(a) == x and row.get(b) == y for a, x, b, y, _ in NO_REFERENCE + REFUSED)
 
 
 def _pairs(row: dict[str, Any]) -> set[tuple[str, Any, str, Any]]:
@@ -115,12 +128,14 @@ class Net(nn.Module):
         return self.last(torch.tanh(self.mid(torch.tanh(self.first(x)))))
 
 
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(rank: int, step: int, tokens: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank-dependent data; with ``tokens``, also a rank- and step-dependent number of rows (1 to 3)."""
     g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(4, 8, generator=g) * (1 + rank), torch.randn(4, 4, generator=g)
+    rows = 1 + (rank + step) % 3 if tokens else 4
+    return torch.randn(rows, 8, generator=g) * (1 + rank), torch.randn(rows, 4, generator=g)
 
 
-def _wrap(wrapper: type, row: dict[str, Any]) -> nn.Module:
+def _wrap(wrapper: type, row: dict[str, Any], token_state: dict[str, Any] | None = None) -> nn.Module:
     net = Net()
     kwargs: dict[str, Any] = {k: row[k] for k in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view",
                                                   "batched_grad_copy")}
@@ -134,19 +149,47 @@ def _wrap(wrapper: type, row: dict[str, Any]) -> nn.Module:
     wrapped = wrapper(module, bucket_cap_mb=1.0 if row["compile"] else CAP_MB, **kwargs)
     if row["hook"] is not None:
         hooks.register(wrapped, hooks.HOOKS[row["hook"]], is_reference=wrapper is DistributedDataParallel)
+    if token_state is not None:  # stock DDP with count_tokens' reference hook
+        wrapped.register_comm_hook(token_state, hooks.divide_by_total_hook)
     return wrapped
+
+
+def _loss(wrapper: nn.Module, row: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The mean loss; with token counting, the sum (the reducer divides by the global count)."""
+    if not row["count_tokens"]:
+        return nn.functional.mse_loss(wrapper(x), y)
+    if isinstance(wrapper, OverlapDDP):
+        wrapper.count_tokens(y.numel())
+    return nn.functional.mse_loss(wrapper(x), y, reduction="sum")
+
+
+def _token_total(row: dict[str, Any], step: int, world_size: int) -> float:
+    """This step's element count over every rank and micro-batch (stock DDP's hook divides by it)."""
+    micro = range(step * row["accumulate"], (step + 1) * row["accumulate"])
+    return float(sum(_batch(r, m, tokens=True)[1].numel() for r in range(world_size) for m in micro))
 
 
 def _error(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
 
 
+def first_step_error(row: dict[str, Any]) -> str | None:
+    """OverlapDDP alone with the row's options, one micro-batch: the error it raised (None: it ran)."""
+    try:
+        candidate = _wrap(OverlapDDP, row)
+        _loss(candidate, row, *_batch(0, 0, tokens=row["count_tokens"])).backward()
+    except Exception as error:
+        return _error(error)
+    return None
+
+
 def run_row(rank: int, row: dict[str, Any]) -> dict[str, Any]:
     """What happened: each wrapper's error (None if it ran) and, where both ran, the first step
     and tensor that differed (None if every step was equal)."""
     found: dict[str, Any] = {"ddp_error": None, "ours_error": None, "difference": None}
+    token_state = {"batched": row["batched_grad_copy"], "total": 0.0} if row["count_tokens"] else None
     try:
-        reference = _wrap(DistributedDataParallel, row)
+        reference = _wrap(DistributedDataParallel, row, token_state)
     except Exception as error:
         found["ddp_error"] = _error(error)
         reference = None
@@ -163,12 +206,14 @@ def run_row(rank: int, row: dict[str, Any]) -> dict[str, Any]:
     pairs = [(reference, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9), "ddp_error"),
              (candidate, opt, "ours_error")]
     for step in range(STEPS):
+        if token_state is not None:
+            token_state["total"] = _token_total(row, step, dist.get_world_size())
         for wrapper, _, key in pairs:
             try:
                 for micro in range(row["accumulate"]):
-                    x, y = _batch(rank, step * row["accumulate"] + micro)
+                    x, y = _batch(rank, step * row["accumulate"] + micro, tokens=row["count_tokens"])
                     with wrapper.no_sync() if micro < row["accumulate"] - 1 else nullcontext():
-                        nn.functional.mse_loss(wrapper(x), y).backward()
+                        _loss(wrapper, row, x, y).backward()
             except Exception as error:
                 found[key] = f"step {step}: " + _error(error)
         if found["ddp_error"] or found["ours_error"]:

@@ -16,7 +16,8 @@ def _needs_allpairspy() -> None:
 
 
 def _excluded(a: str, x: object, b: str, y: object) -> bool:
-    return any({(a, x), (b, y)} == {(p, v), (q, w)} for p, v, q, w, _ in option_pairs.NO_REFERENCE)
+    left_out = option_pairs.NO_REFERENCE + option_pairs.REFUSED
+    return any({(a, x), (b, y)} == {(p, v), (q, w)} for p, v, q, w, _ in left_out)
 
 
 def test_every_pair_of_values_occurs_in_a_row_unless_it_has_no_reference():
@@ -30,8 +31,16 @@ def test_every_pair_of_values_occurs_in_a_row_unless_it_has_no_reference():
         if not _excluded(a, x, b, y) and not any(row[a] == x and row[b] == y for row in rows)
     ]
     assert not missing, missing
-    excluded = [row for row in rows if any(row[a] == x and row[b] == y for a, x, b, y, _ in option_pairs.NO_REFERENCE)]
+    excluded = [row for row in rows if any(row[a] == x and row[b] == y
+                                           for a, x, b, y, _ in option_pairs.NO_REFERENCE + option_pairs.REFUSED)]
     assert not excluded, excluded
+
+
+@pytest.mark.parametrize("a, x, b, y, message", option_pairs.REFUSED)
+def test_every_refused_pair_raises_a_clear_error_at_its_first_use(one_rank, a, x, b, y, message):
+    base = {name: values[0] for name, values in option_pairs.FACTORS.items()}
+    error = option_pairs.first_step_error(dict(base, world_size=1, **{a: x, b: y}))
+    assert error is not None and message in error, error
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from overlapddp import OverlapDDP
-from tests import models
+from tests import hooks, models
 from tests.multiprocess import run_ranks
 
 RTOL, ATOL = 1e-5, 1e-7
@@ -74,18 +74,6 @@ def _tokens(rank: int, step: int, micro: int) -> tuple[torch.Tensor, torch.Tenso
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _divide_by_total_hook(state: dict, bucket):
-    """The reference: DDP hands a hook the unscaled bucket. Scale it as OverlapDDP scales a
-    token-weighted bucket (times 1/total while copying in; with batched_grad_copy, one true division
-    by the total), then sum."""
-    buffer = bucket.buffer()
-    if state["batched"]:
-        buffer.div_(state["total"])
-    else:
-        buffer.mul_(1.0 / state["total"])
-    return torch.distributed.all_reduce(buffer, async_op=True).get_future().then(lambda f: f.value()[0])
-
-
 def _against_ddp_with_a_dividing_hook(rank: int, world_size: int, batched: bool, accumulate: int) -> list[str | None]:
     """Per step, the first parameter (or gradient) of ``OverlapDDP.count_tokens`` that differs from
     stock DDP dividing each bucket by the global token count in a hook (None: all equal)."""
@@ -95,7 +83,7 @@ def _against_ddp_with_a_dividing_hook(rank: int, world_size: int, batched: bool,
 
     state = {"batched": batched, "total": 0.0}
     reference = DistributedDataParallel(models.build("transformer"), bucket_cap_mb=CAP_MB)
-    reference.register_comm_hook(state, _divide_by_total_hook)
+    reference.register_comm_hook(state, hooks.divide_by_total_hook)
     candidate = OverlapDDP(models.build("transformer"), bucket_cap_mb=CAP_MB, batched_grad_copy=batched)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (reference, candidate)]
     found: list[str | None] = []
