@@ -1,5 +1,5 @@
-"""Smoke tests for benchmarks/compare.py and beyond_ddp.py: tiny runs over the emulated link, and
-compare.py's charts.
+"""Smoke tests for benchmarks/compare.py, beyond_ddp.py and sharded_optimizer.py: tiny runs (over the
+emulated link for the first two), and compare.py's charts.
 
 Each run spawns two fresh gloo ranks, so a test takes seconds; the MLP with one or two timed steps
 per repeat keeps one run well under half a minute on two CPU cores.
@@ -22,6 +22,7 @@ from overlapddp.tuning import tuner
 REPO = Path(__file__).resolve().parent.parent
 COMPARE = REPO / "benchmarks" / "compare.py"
 BEYOND_DDP = REPO / "benchmarks" / "beyond_ddp.py"
+SHARDED_OPTIMIZER = REPO / "benchmarks" / "sharded_optimizer.py"
 RUN_TIMEOUT_S = 120
 TINY_RUN = ["--model", "mlp", "--steps", "2", "--warmup", "1", "--repeats", "2", "--link-gbps", "1"]
 
@@ -130,6 +131,28 @@ def test_beyond_ddp_reports_every_variant_bit_equal_against_ddp_and_the_bound(tm
     assert bound["communication_ms"] == pytest.approx(link_ms)
     assert "vs best DDP" in result.stdout and "bound T_f + max(T_b, T_c) + T_opt" in result.stdout
     assert "left" in result.stderr or "done in" in result.stderr
+
+
+def test_sharded_optimizer_benchmark_is_bit_equal_every_step_with_half_the_state(tmp_path):
+    path = tmp_path / "sharded.json"
+    # One warm-up step and two repeats of one: the rebuilt buckets' relayout runs inside the checked steps.
+    result = run_script(SHARDED_OPTIMIZER, "--models", "transformer", "--steps", "1", "--repeats", "2", "--warmup", "1",
+                        "--json", str(path))
+    check_ok(result)
+    payload = json.loads(path.read_text())
+    assert len(payload["commit"]) == 40
+    assert payload["zero_overlap_with_ddp_error"].startswith("RuntimeError: Gloo backend")
+    model = payload["models"]["transformer"]
+    assert model["steps_compared"] == 3 and model["first_in_repeat"] == ["ddp", "zero"]
+    rows = model["variants"]
+    assert list(rows) == ["ddp", "zero", "ours"]
+    for label, row in rows.items():
+        assert row["bit_equal_every_step"] is True, (label, row["rank0_first_mismatches"])
+        assert all(b > 0 for b in row["memory"]["later_step_peak_bytes"]), label
+    assert model["targets"] == {"ours_state_at_most_ddp_over_n_plus_1pct": True, "ours_bit_equal_every_step": True}
+    assert rows["ddp"]["state_vs_ddp_over_n"] == 2  # DDP holds everything: N times its share
+    assert rows["zero"]["state_bytes_per_rank"] != rows["ddp"]["state_bytes_per_rank"]
+    assert "did not run: RuntimeError" in result.stdout and "bit-equal to ddp every step" in result.stdout
 
 
 def test_plot_without_matplotlib_says_how_to_install_it(tmp_path):
