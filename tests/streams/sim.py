@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -186,7 +187,7 @@ class Sim:
         self.default = self.stream("default")
         self.host_stream = self.stream(HOST)
         self.host = self.host_stream.clock  # what the host has seen finish, and its own accesses
-        self._stack: list[SimStream] = [self.default]
+        self._threads = threading.local()  # each thread's stack of current streams (see ``_stack``)
         self.records: dict[int, StorageRecord] = {}
         self.findings: list[str] = []
         self.context = ""  # what the scenario is doing, for messages
@@ -222,6 +223,15 @@ class Sim:
     def new_stream(self, prefix: str) -> SimStream:
         self._names[prefix] = self._names.get(prefix, 0) + 1
         return self.stream(f"{prefix}{self._names[prefix]}")
+
+    @property
+    def _stack(self) -> list[SimStream]:
+        """The calling thread's current streams, innermost last: as on CUDA, the current stream is per
+        thread, and a thread starts on the default stream."""
+        stack = getattr(self._threads, "stack", None)
+        if stack is None:
+            stack = self._threads.stack = [self.default]
+        return stack
 
     @property
     def current(self) -> SimStream:
