@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from typing import Any, Callable, Iterator
 
 import torch
@@ -515,7 +516,7 @@ _STREAM_NAMES = {"fence": "comm", "token_weighting": "tokens"}
 @contextlib.contextmanager
 def simulate(sim: Sim, backend: str = "nccl") -> Iterator[Backend]:  # noqa: C901 - one patch per modelled API, in one place
     """Route collectives, streams, events, backward and its callbacks through the model while the
-    block runs, and record every access. The package's real ``CudaKit`` runs on the fake
+    block runs, and record every access, on every thread started meanwhile. The package's real ``CudaKit`` runs on the fake
     ``torch.cuda`` and makes its futures as :class:`DeviceFuture`; ``Tensor.is_cuda`` is true, for the package, of device memory (under the NCCL model; gloo's path
     is the CPU one)."""
     model: Backend = Nccl(sim) if backend == "nccl" else Gloo(sim)
@@ -576,7 +577,22 @@ def simulate(sim: Sim, backend: str = "nccl") -> Iterator[Backend]:  # noqa: C90
         autograd.hold(list(params))
         return real_accumulators(params)
 
+    real_start = threading.Thread.start
+
+    def start_observed(thread: threading.Thread) -> None:
+        """A thread started while the model runs has its ops recorded too (a dispatch mode is per thread),
+        on its own current streams (the sim's are per thread, as CUDA's)."""
+        run = thread.run
+
+        def observed() -> None:
+            with Accesses(sim):
+                run()
+
+        thread.run = observed  # type: ignore[method-assign]
+        real_start(thread)
+
     patches = [
+        (threading.Thread, "start", start_observed),
         (dist, "get_backend", lambda group=None: model.name),
         (dist, "all_reduce", all_reduce),
         (dist, "broadcast", broadcast),
