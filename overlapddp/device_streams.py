@@ -1,8 +1,9 @@
 """Which CUDA objects do the fences use? One small factory, so tests can swap in a recording fake.
 
-Every stream, event, wait and ``record_stream`` of the CUDA path goes through :class:`CudaKit`. A
-test injects a fake kit (CPU only) and asserts the order of those calls; a GPU test injects a kit
-that skips one named wait and checks that training then fails. Each wait names the edge it keeps.
+Every stream, event, future, wait and ``record_stream`` of the CUDA path goes through
+:class:`CudaKit`. A test injects a fake kit (CPU only) and asserts the order of those calls; a GPU
+test injects a kit that skips one named wait and checks that training then fails. Each wait names
+the edge it keeps.
 """
 
 from __future__ import annotations
