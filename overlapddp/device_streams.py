@@ -1,8 +1,9 @@
 """Which CUDA objects do the fences use? One small factory, so tests can swap in a recording fake.
 
-Every stream, event, wait and ``record_stream`` of the CUDA path goes through :class:`CudaKit`. A
-test injects a fake kit (CPU only) and asserts the order of those calls; a GPU test injects a kit
-that skips one named wait and checks that training then fails. Each wait names the edge it keeps.
+Every stream, event, future, wait and ``record_stream`` of the CUDA path goes through
+:class:`CudaKit`. A test injects a fake kit (CPU only) and asserts the order of those calls; a GPU
+test injects a kit that skips one named wait and checks that training then fails. Each wait names
+the edge it keeps.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import contextlib
 from typing import Any, ContextManager, Iterator
 
 import torch
+from torch.futures import Future
 
 # The waits of the CUDA path, named by what each one orders (see fence.py and token_weighting.py).
 WAITS = (
@@ -50,7 +52,13 @@ class CudaKit:
         """``stream`` runs nothing further until all work queued so far on ``other`` ran."""
         stream.wait_stream(other)
 
-    def wait_future(self, future: torch.futures.Future, edge: str) -> Any:
+    def new_future(self) -> Future:
+        """A future set on another thread: ``set_result`` records an event on that thread's current
+        stream, and ``wait()`` makes the waiter's current stream wait on it (a future without devices
+        orders no stream)."""
+        return Future(devices=[self.device])
+
+    def wait_future(self, future: Future, edge: str) -> Any:
         """The future's value, with the current stream ordered after the work that produced it."""
         return future.wait()
 

@@ -340,10 +340,12 @@ class _Recorder:
 def test_cuda_kit_maps_each_call_onto_torch_cuda(monkeypatch):
     from contextlib import nullcontext
 
+    from overlapddp import device_streams
     from overlapddp.device_streams import CudaKit
 
     calls: list = []
     made = iter(["s1", "s2"])
+    monkeypatch.setattr(device_streams, "Future", lambda devices: calls.append(("Future", devices)) or "made")
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None, priority=0: calls.append(("Stream", device, priority))
                         or _Recorder(next(made), calls))
     monkeypatch.setattr(torch.cuda, "Event", lambda **kwargs: _Recorder("e", calls))
@@ -361,11 +363,13 @@ def test_cuda_kit_maps_each_call_onto_torch_cuda(monkeypatch):
     future = torch.futures.Future()
     future.set_result(7)
     assert kit.wait_future(future, "collective") == 7
+    assert kit.new_future() == "made"
     kit.record_stream(torch.ones(2), comm)  # host memory: nothing to record
     assert calls == [
         ("Stream", device, -1), ("Stream", device, 0), ("current", device), ("use", comm),
         ("s1", "wait_event", (event,), {}),  # the waiting stream waits, on the event
         ("s1", "wait_stream", (other,), {}),  # the waiting stream waits, for the other
+        ("Future", [device]),  # a future that records events on the device (one without devices orders nothing)
     ]
 
 

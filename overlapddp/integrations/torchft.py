@@ -28,11 +28,12 @@ The options that cannot go through the manager are refused by name: see ``REFUSE
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import queue
 import threading
 import weakref
-from typing import Any, NoReturn, cast
+from typing import Any, NamedTuple, NoReturn, cast
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torchft.manager import Manager
 
 from overlapddp.comm_hook import CommHook
+from overlapddp.device_streams import CudaKit
 from overlapddp.optimizer_guard import OptimizerGuard
 from overlapddp.optimizer_overlap import OverlappedOptimizer
 from overlapddp.sharded_optimizer import ShardedOptimizer
@@ -72,6 +74,19 @@ _COMPRESSION: dict[object, torch.dtype] = {
 _WRAPPER_ARGUMENTS = frozenset(inspect.signature(OverlapDDP.__init__).parameters) - {"self", "module"}
 
 
+class _InFlight(NamedTuple):
+    """One launched bucket, put by the hook (autograd's thread) and taken by ``_complete_in_order``."""
+
+    work: Any  # the manager's work on ``sent``
+    buffer: torch.Tensor  # the bucket's buffer, the future's value
+    sent: torch.Tensor  # what the manager reduces: the buffer, or its copy in the wire dtype
+    future: torch.futures.Future  # what OverlapDDP's fence waits on; set by _complete_in_order
+    # CUDA: the kit and the stream current in the hook (the communication stream), where torchft's
+    # work must be waited on; _complete_in_order queues the copy back and the future's event there.
+    kit: CudaKit | None
+    stream: Any
+
+
 class ManagerReduction:
     """The comm hook's state: the manager, the dtype buckets are sent in (None: their own), and the
     thread that completes the buckets' futures."""
@@ -80,11 +95,7 @@ class ManagerReduction:
         self.manager = manager
         self.wire_dtype: torch.dtype | None = None
         self.started = False  # set by the first bucket's hook; the dtype is fixed from then on
-        # (work, bucket buffer, sent tensor, future): put by the hook (autograd's thread), taken by
-        # _complete_in_order, which sets the future that OverlapDDP's fence waits on.
-        self._launched: queue.SimpleQueue[tuple[Any, torch.Tensor, torch.Tensor, torch.futures.Future] | None] = (
-            queue.SimpleQueue()
-        )
+        self._launched: queue.SimpleQueue[_InFlight | None] = queue.SimpleQueue()
         threading.Thread(target=_complete_in_order, args=(self._launched,), daemon=True,
                          name="overlapddp-torchft-completion").start()
         weakref.finalize(self, self._launched.put, None)  # the thread ends with this state
@@ -93,8 +104,10 @@ class ManagerReduction:
         self.started = True
         sent = buffer if self.wire_dtype is None else buffer.to(self.wire_dtype)
         work = self.manager.allreduce(sent)
-        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        self._launched.put((work, buffer, sent, future))
+        kit = CudaKit(buffer.device) if buffer.is_cuda else None
+        # On CUDA the future records an event where it is set, which the fence's stream waits on.
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future() if kit is None else kit.new_future()
+        self._launched.put(_InFlight(work, buffer, sent, future, kit, None if kit is None else kit.current_stream()))
         return future
 
 
@@ -108,16 +121,18 @@ def _complete_in_order(launched: queue.SimpleQueue) -> None:
     A failed or timed-out collective is reported to the manager by ``work.wait()``, and the bucket's
     future is still set (to the bucket, whose contents no replica will apply: should_commit() is
     False), so backward ends and the step is skipped instead of raising in the training loop.
+    On CUDA this thread runs on the stream the work was made on: torchft's ``wait()`` asserts it, and
+    queues its waits and division there, after which the copy back and the future's event go.
     """
     while (item := launched.get()) is not None:
-        work, buffer, sent, future = item
         try:
-            work.wait()
-            if sent is not buffer:
-                buffer.copy_(sent)  # back from the wire dtype (DDP's decompression)
-            future.set_result(buffer)
+            with contextlib.nullcontext() if item.kit is None else item.kit.use(item.stream):
+                item.work.wait()
+                if item.sent is not item.buffer:
+                    item.buffer.copy_(item.sent)  # back from the wire dtype (DDP's decompression)
+                item.future.set_result(item.buffer)
         except Exception as error:  # the manager's own wait reports collective errors; this is ours
-            future.set_exception(error)
+            item.future.set_exception(error)
 
 
 def manager_allreduce_hook(state: ManagerReduction, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

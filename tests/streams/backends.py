@@ -45,6 +45,21 @@ on the work or its future; callbacks run on that worker after the collective. A 
 replaces its input's indices and values there. Its reduce-scatter's work has no future
 (``get_future()`` raises "Work::getFuture not implemented").
 
+CUDA-aware futures (``torch.futures.Future(devices=[...])``, ``ivalue_inl.h``, as N4 and N5's child):
+
+- F1 ``set_result`` records an event on the setting thread's current stream for each device the value's
+  storages are on (``markCompleted`` 940-970); ``wait()`` blocks the host until it is set, then makes
+  the waiter's current stream wait on those events and records the value's storages for it (899-903).
+  A future made without devices records and orders nothing on any stream.
+
+torchft 0.2.0 on CUDA (``torchft/manager.py``, ``Manager.allreduce`` and ``_ManagedWork``):
+
+- T1 the work keeps the stream current when it was made (``_ManagedWork.__init__``:
+  ``torch.accelerator.current_stream()``); its ``wait()`` asserts that the caller's current stream is
+  that one (``_assert_same_stream``, before anything else), then, on that stream
+  (``get_stream_context``), waits on the process group's work and runs the manager's division by the
+  participants (``allreduce``'s callback, on the callback chain ``wait()`` builds).
+
 The autograd engine (``torch/csrc/autograd/``):
 
 - A1 a node runs on its stream, the stream of its first input's metadata (``node.h`` 250-269,
@@ -74,6 +89,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from typing import Any, Callable, Iterator
 
 import torch
@@ -81,7 +97,7 @@ import torch.distributed as dist
 from torch.futures import Future
 from torch.utils._python_dispatch import _disable_current_modes
 
-from overlapddp import torch_compat
+from overlapddp import device_streams, torch_compat
 from tests.streams.sim import DEVICE, HOST, Accesses, HostReads, Sim, SimEvent, SimStream, _tensors, package_site
 
 
@@ -160,6 +176,47 @@ class SimWork:
         if not self._has_future:
             raise RuntimeError("Work::getFuture not implemented.")  # gloo's reduce-scatter, as torch says it
         return SimFuture(self._backend, list(self._tensors), self._after)
+
+
+class DeviceFuture(Future):
+    """``torch.futures.Future(devices=...)`` under the model (F1), set by the host on any thread."""
+
+    def __init__(self, backend: "Backend") -> None:
+        super().__init__()
+        self._backend = backend
+        self._after: Any = None  # the events ``set_result`` recorded (None: the value holds no device memory)
+
+    def set_result(self, result: Any) -> None:
+        self._after = self._backend.child_events(self._backend.sim.current, result)
+        super().set_result(result)
+
+    def wait(self) -> Any:
+        value = super().wait()  # the host blocks until the future is set, as torch's does
+        if not self._backend.sim.mutated("wait"):
+            self._backend.join(self._after, value)
+        return value
+
+
+class TorchftWork:
+    """torchft's ``_ManagedWork`` on CUDA (T1), around the model's work on ``tensor``, for a manager
+    of one participant."""
+
+    def __init__(self, sim: Sim, work: SimWork, tensor: torch.Tensor) -> None:
+        self._sim = sim
+        self._work = work
+        self._tensor = tensor
+        self._stream = sim.current  # the stream the work was made on
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self._sim.mutated("wait"):
+            return True
+        if self._sim.current is not self._stream:  # torchft's ``assert self._stream == current_stream()``
+            raise AssertionError(f"torchft's _ManagedWork.wait() (model) was called on stream {self._sim.current}, "
+                                 f"and its work was made on {self._stream}")
+        with self._sim.use(self._stream):
+            self._work.wait()
+            self._tensor /= 1  # the manager's division by its one participant
+        return True
 
 
 class Backend:
@@ -459,8 +516,8 @@ _STREAM_NAMES = {"fence": "comm", "token_weighting": "tokens"}
 @contextlib.contextmanager
 def simulate(sim: Sim, backend: str = "nccl") -> Iterator[Backend]:  # noqa: C901 - one patch per modelled API, in one place
     """Route collectives, streams, events, backward and its callbacks through the model while the
-    block runs, and record every access. The package's real ``CudaKit`` runs on the fake
-    ``torch.cuda``; ``Tensor.is_cuda`` is true, for the package, of device memory (under the NCCL model; gloo's path
+    block runs, and record every access, on every thread started meanwhile. The package's real ``CudaKit`` runs on the fake
+    ``torch.cuda`` and makes its futures as :class:`DeviceFuture`; ``Tensor.is_cuda`` is true, for the package, of device memory (under the NCCL model; gloo's path
     is the CPU one)."""
     model: Backend = Nccl(sim) if backend == "nccl" else Gloo(sim)
     autograd = sim.autograd = AutogradModel(sim, torch.autograd.backward)
@@ -520,7 +577,22 @@ def simulate(sim: Sim, backend: str = "nccl") -> Iterator[Backend]:  # noqa: C90
         autograd.hold(list(params))
         return real_accumulators(params)
 
+    real_start = threading.Thread.start
+
+    def start_observed(thread: threading.Thread) -> None:
+        """A thread started while the model runs has its ops recorded too (a dispatch mode is per thread),
+        on its own current streams (the sim's are per thread, as CUDA's)."""
+        run = thread.run
+
+        def observed() -> None:
+            with Accesses(sim):
+                run()
+
+        thread.run = observed  # type: ignore[method-assign]
+        real_start(thread)
+
     patches = [
+        (threading.Thread, "start", start_observed),
         (dist, "get_backend", lambda group=None: model.name),
         (dist, "all_reduce", all_reduce),
         (dist, "broadcast", broadcast),
@@ -538,6 +610,7 @@ def simulate(sim: Sim, backend: str = "nccl") -> Iterator[Backend]:  # noqa: C90
         (torch.Tensor, "is_cuda", property(is_cuda)),
         (torch.Tensor, "record_stream", record_stream),
         (torch.Tensor, "register_post_accumulate_grad_hook", hook_noting_leaves),
+        (device_streams, "Future", lambda devices: DeviceFuture(model)),  # the kit's futures (F1)
         (torch, "frombuffer", on_host(torch.frombuffer)),
         (torch, "from_numpy", on_host(torch.from_numpy)),
         (_reducer_module(), "grad_accumulators", held_accumulators),

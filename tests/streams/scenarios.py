@@ -28,7 +28,7 @@ from overlapddp import OverlapDDP
 from overlapddp.device_streams import CudaKit
 from overlapddp.fence import CudaFence
 from overlapddp.tuning.clock import CudaClock
-from tests.streams.backends import simulate
+from tests.streams.backends import TorchftWork, simulate
 from tests.streams.sim import Sim
 
 CPU = torch.device("cpu")
@@ -761,16 +761,15 @@ def _gloo_sharded(sim: Sim) -> None:
     train(sim, model, opt)
 
 
-@scenario("gloo: torchft, buckets completed on the integration's thread", backend="gloo")
-def _gloo_torchft(sim: Sim) -> None:
+def _torchft(sim: Sim) -> nn.Module:
+    """The torchft integration over a manager of one participant, without its lighthouse: its all-reduce
+    is the group's, as the model's work (gloo's; torchft's division by one participant, on the waiting
+    thread, left out), or as torchft's on CUDA (T1, the division included)."""
     from torchft.manager import Manager
 
     from overlapddp.integrations import torchft
 
     class OneReplica(Manager):
-        """A manager of one participant, without its lighthouse: its all-reduce is the group's (the model's
-        gloo work; torchft's division by one participant, on the waiting thread, is left out)."""
-
         def __init__(self) -> None:  # no quorum, no store, no threads of its own
             self._use_async_quorum = False
 
@@ -778,9 +777,24 @@ def _gloo_torchft(sim: Sim) -> None:
             pass
 
         def allreduce(self, tensor: torch.Tensor, *_: Any, **__: Any) -> Any:
-            return dist.all_reduce(tensor, async_op=True)
+            work = dist.all_reduce(tensor, async_op=True)
+            return TorchftWork(sim, work, tensor) if dist.get_backend() == "nccl" else work
 
-    model = torchft.DistributedDataParallel(OneReplica(), net(), bucket_cap_mb=BUCKET_MB)
+    return torchft.DistributedDataParallel(OneReplica(), net(), bucket_cap_mb=BUCKET_MB)
+
+
+@scenario("gloo: torchft, buckets completed on the integration's thread", backend="gloo")
+def _gloo_torchft(sim: Sim) -> None:
+    model = _torchft(sim)
+    opt = sgd(model)
+    model.attach_optimizer(opt)
+    train(sim, model, opt)
+
+
+@scenario("torchft: buckets compressed to fp16, completed on the integration's thread")
+def _cuda_torchft(sim: Sim) -> None:
+    model = cuda(sim, _torchft(sim))
+    model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     opt = sgd(model)
     model.attach_optimizer(opt)
     train(sim, model, opt)

@@ -43,10 +43,12 @@ package's source by ``tools/stream_mutations.py``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
+import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -56,6 +58,19 @@ DEVICE, PINNED, HOST = "device", "pinned", "host"
 PACKAGE = "/overlapddp/"
 KIT = "/overlapddp/device_streams.py"
 MODEL = ("/tests/streams/sim.py", "/tests/streams/backends.py")
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _locked(method: F) -> F:
+    """Run ``method`` holding its sim's lock: the threads the model observes share its clocks and records."""
+    @functools.wraps(method)
+    def locked(self: "Sim", *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return locked  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -186,7 +201,8 @@ class Sim:
         self.default = self.stream("default")
         self.host_stream = self.stream(HOST)
         self.host = self.host_stream.clock  # what the host has seen finish, and its own accesses
-        self._stack: list[SimStream] = [self.default]
+        self._threads = threading.local()  # each thread's stack of current streams (see ``_stack``)
+        self.lock = threading.RLock()  # held by each clock and record update (``_locked``)
         self.records: dict[int, StorageRecord] = {}
         self.findings: list[str] = []
         self.context = ""  # what the scenario is doing, for messages
@@ -224,6 +240,15 @@ class Sim:
         return self.stream(f"{prefix}{self._names[prefix]}")
 
     @property
+    def _stack(self) -> list[SimStream]:
+        """The calling thread's current streams, innermost last: as on CUDA, the current stream is per
+        thread, and a thread starts on the default stream."""
+        stack = getattr(self._threads, "stack", None)
+        if stack is None:
+            stack = self._threads.stack = [self.default]
+        return stack
+
+    @property
     def current(self) -> SimStream:
         return self._stack[-1]
 
@@ -235,23 +260,28 @@ class Sim:
         finally:
             self._stack.pop()
 
+    @_locked
     def merge_host(self, stream: SimStream) -> None:
         if stream is not self.host_stream:
             _merge(stream.clock, self.host)
 
+    @_locked
     def tick(self, stream: SimStream) -> int:
         self.merge_host(stream)
         stream.clock[stream.name] = stream.clock.get(stream.name, 0) + 1
         return stream.clock[stream.name]
 
+    @_locked
     def wait_event(self, stream: SimStream, event: SimEvent) -> None:
         if event.clock is not None:
             _merge(stream.clock, event.clock)
 
+    @_locked
     def wait_stream(self, stream: SimStream, other: SimStream) -> None:
         self.merge_host(other)
         _merge(stream.clock, other.clock)
 
+    @_locked
     def host_sees(self, clock: dict[str, int]) -> None:
         _merge(self.host, clock)
 
@@ -306,6 +336,7 @@ class Sim:
             record = self._record(key, owner, kind, what, self.host_stream, place)
             record.place, record.alloc = place, HOST
 
+    @_locked
     def access(self, tensor: torch.Tensor, write: bool, what: str, stream: SimStream | None = None,
                allocates: bool = False, metadata: bool = False, place: str | None = None) -> None:
         """One access of ``tensor`` by ``what`` on ``stream``; ``metadata``: only a sparse tensor's own
@@ -360,6 +391,7 @@ class Sim:
             if record is not None:
                 record.recorded.discard(stream.name)
 
+    @_locked
     def _freed(self, key: int, record: StorageRecord) -> None:
         """CUDA: the block goes back to its allocation stream's pool, reused once every stream it was
         recorded for reaches where it is now. Host memory: the host's (pinned blocks wait for the copies'
