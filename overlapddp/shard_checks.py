@@ -35,7 +35,10 @@ class ShardRequest:
     ignored: frozenset[str]  # parameters the wrapper leaves alone (not reduced)
     options: dict[str, bool]  # the wrapper's switches that sharding cannot combine with, by name
     comm_hook: str | None  # the registered communication hook's name
+    backend: str  # the process group's backend for the parameters' device
 
+
+SHARDED_BACKENDS = ("gloo", "nccl")  # gloo: each bucket all-reduced in place; nccl: reduce-scattered in place
 
 # Why each switch cannot be combined with a sharded optimizer.
 _INCOMPATIBLE = {
@@ -64,6 +67,11 @@ def check_shardable(optimizer: torch.optim.Optimizer, request: ShardRequest) -> 
             f"({', '.join(t.__name__ for t in ELEMENTWISE_STATE)}, not subclasses). Optimizers that read a whole "
             "tensor (LAMB, LARS, Adafactor) or all of them (LBFGS) would see only this rank's pieces. Attach it "
             "without shard=True."
+        )
+    if request.backend not in SHARDED_BACKENDS:
+        raise ValueError(
+            f"shard=True supports the {' and '.join(SHARDED_BACKENDS)} backends, not {request.backend}: the "
+            "reduce-scatter and all-gather of each bucket are written for theirs. Attach it without shard=True."
         )
     for option, why in _INCOMPATIBLE.items():
         if request.options.get(option, False):

@@ -5,13 +5,15 @@ Attached with ``OverlapDDP.attach_optimizer(optimizer, shard=True)``. Per bucket
 
 1. *backward*: the bucket is filled exactly as for DDP (each gradient times ``1 / world_size``
    while copying), padded with zeros to a multiple of the world size (shard_layout.py), and
-   reduce-scattered (SUM) instead of all-reduced, launched when the bucket is complete. With
-   gloo the shard equals, bit for bit, that slice of DDP's all-reduce.
+   reduce-scattered (SUM) in place, launched when the bucket is complete: this rank's shard is its
+   slice of the bucket's buffer. gloo's reduce-scatter is an all-reduce of a copy, then that slice
+   (bit for bit), so over gloo the bucket is all-reduced in place, as by DDP, without the copy.
 2. *end of backward* (the reducer's finalize, bucket by bucket as each completes): this rank's
    pieces of the parameters, views of a flat parameter shard refreshed from the parameters, are
    updated by an optimizer of the user's class with the user's hyperparameters (mirrored before
    every update, so LR schedulers act as on the user's optimizer). Its state holds only these
-   pieces: 1/N of DDP's, plus padding. The updated shard's all-gather is launched at once.
+   pieces: 1/N of DDP's, plus padding. The updated shard's all-gather into the bucket's buffer
+   (free until the next backward fills it) is launched at once.
 3. *start of the next forward* (a forward pre-hook on the wrapped module; ``model.state_dict()``
    and :meth:`ShardedOptimizer.gather_parameters` too): every all-gather is completed and copied
    into the parameters, bucket by bucket in launch order.
@@ -26,7 +28,7 @@ from __future__ import annotations
 import functools
 import types
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
 import torch.distributed as dist
@@ -37,7 +39,6 @@ from overlapddp.reducer import Reducer
 from overlapddp.shard_checks import ELEMENTWISE_STATE
 from overlapddp.shard_layout import BucketShard, Piece, plan_shards
 from overlapddp.torch_compat import all_gather_flat, foreach_copy_, reduce_scatter_flat
-from overlapddp.work_futures import WorkFutures
 
 if TYPE_CHECKING:
     from torch import nn
@@ -53,22 +54,28 @@ class _BucketShardState:
     """One bucket's tensors on this rank under the current layout."""
 
     shard: BucketShard
-    # Reduce-scatter output: written by the collective (launched in backward), read by the update
-    # once the reducer's fence completed the bucket.
-    grads: torch.Tensor
     # This rank's flat parameter shard: refreshed from the parameters and updated in finalize, read
     # by the all-gather launched right after.
     params: torch.Tensor
     pieces: list[torch.Tensor]  # views of ``params``, one per Piece: the inner optimizer's parameters
-    grad_views: list[torch.Tensor]  # the matching views of ``grads``
     inner: torch.optim.Optimizer | None  # None when this rank owns only padding of the bucket
+    # The reducer's padded buffer of this bucket, set at launch: reduced into by the collective (this
+    # rank's slice is its reduced shard, read by the update once the fence completed the bucket),
+    # then gathered into by the all-gather of every rank's updated shard.
+    buffer: torch.Tensor | None = None
+
+    def reduced_pieces(self, rank: int) -> list[torch.Tensor]:
+        """This rank's reduced gradient of each piece: views of its slice of the buffer."""
+        shard = cast(torch.Tensor, self.buffer).narrow(0, rank * self.shard.shard_length, self.shard.shard_length)
+        return [shard.narrow(0, piece.shard_offset, piece.length) for piece in self.shard.pieces]
 
 
 class ShardedOptimizer:
     """Runs ``optimizer``'s update on this rank's shard of each bucket as soon as it is reduced."""
 
     def __init__(
-        self, reducer: Reducer, module: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None
+        self, reducer: Reducer, module: nn.Module, optimizer: torch.optim.Optimizer, backend: str,
+        max_grad_norm: float | None = None,
     ) -> None:
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm!r}.")
@@ -103,7 +110,8 @@ class ShardedOptimizer:
         self.gather_start: Callable[[torch.Tensor, torch.Tensor], Any] = functools.partial(
             all_gather_flat, group=self._group, async_op=True
         )
-        self._futures = WorkFutures()  # gloo's reduce-scatter has no future of its own
+        # gloo reduce-scatters by all-reducing a copy of the bucket: all-reduce the bucket itself instead.
+        self._all_reduces = backend == "gloo"
         self._holds_state = False  # whether any shard has optimizer state (equal on every rank)
         self._stepped_at = 0  # reducer.reductions that the user's step() has acknowledged
         # Refuses before anything is rebound.
@@ -129,17 +137,15 @@ class ShardedOptimizer:
 
     def _bucket_state(self, shard: BucketShard) -> _BucketShardState:
         first = self._params[self._plan.buckets[shard.bucket][0]]
-        grads = torch.zeros(shard.shard_length, dtype=first.dtype, device=first.device)
-        params = torch.zeros_like(grads)
+        params = torch.zeros(shard.shard_length, dtype=first.dtype, device=first.device)
         pieces = [params.narrow(0, piece.shard_offset, piece.length) for piece in shard.pieces]
-        grad_views = [grads.narrow(0, piece.shard_offset, piece.length) for piece in shard.pieces]
         inner = None
         if pieces:
             groups = [{**_hyperparameters(group), "params": []} for group in self.optimizer.param_groups]
             for piece, view in zip(shard.pieces, pieces, strict=True):
                 groups[self._group_of[piece.param]]["params"].append(view)
             inner = type(self.optimizer)(groups)  # type: ignore[call-arg]  # SGD, Adam, AdamW take groups alone
-        return _BucketShardState(shard, grads, params, pieces, grad_views, inner)
+        return _BucketShardState(shard, params, pieces, inner)
 
     def _relayout_if_replanned(self) -> None:
         """The reducer changed its buckets (DDP's rebuild after the first iteration, a restored layout):
@@ -155,7 +161,8 @@ class ShardedOptimizer:
     # -- the iteration ------------------------------------------------------------------------
 
     def _reduce_scatter(self, bucket: Bucket) -> torch.futures.Future:
-        """The bucket's collective: a SUM reduce-scatter of the scaled, padded buffer into this rank's shard."""
+        """The bucket's collective: a SUM reduce-scatter of the scaled, padded buffer into this rank's
+        slice of it (over gloo an all-reduce of it: the same bits in that slice, without gloo's copy)."""
         index = bucket.index()
         state = self._buckets[index]
         buffer = bucket.buffer()
@@ -164,15 +171,18 @@ class ShardedOptimizer:
                 f"Bucket {index} on rank {self.rank} has {buffer.numel()} elements, but its shard layout expects "
                 f"{state.shard.padded_length}: the buckets changed without a forward in between."
             )
-        work = reduce_scatter_flat(state.grads, buffer, group=self._group, async_op=True)
-        return self._futures.future_of(work, state.grads)
+        state.buffer = buffer
+        if self._all_reduces:
+            return dist.all_reduce(buffer, group=self._group, async_op=True).get_future()
+        shard = buffer.narrow(0, self.rank * state.shard.shard_length, state.shard.shard_length)
+        return reduce_scatter_flat(shard, buffer, group=self._group, async_op=True).get_future()
 
     def _bucket_reduced(self, index: int, written: list[bool]) -> None:
         """Bucket ``index``'s shard is reduced: update this rank's pieces, then all-gather them."""
         state = self._buckets[index]
         members = self._plan.buckets[index]
         slot_of = {param: slot for slot, param in enumerate(members)}
-        for piece, view, reduced in zip(state.shard.pieces, state.pieces, state.grad_views, strict=True):
+        for piece, view, reduced in zip(state.shard.pieces, state.pieces, state.reduced_pieces(self.rank), strict=True):
             view.grad = self._piece_gradient(piece, reduced, written[slot_of[piece.param]])
         for slot, param in enumerate(members):
             if written[slot]:
@@ -204,7 +214,7 @@ class ShardedOptimizer:
     def _clip(self, max_norm: float) -> None:
         """Scale every piece's gradient as ``clip_grad_norm_`` would, with the norm of all gradients: the
         sum of squares of each rank's pieces (in float64), summed over ranks, its root rounded once."""
-        first = self._buckets[0].grads
+        first = self._buckets[0].params
         local = torch.stack(self._squares).sum() if self._squares else torch.zeros((), dtype=torch.float64)
         self._squares = []
         dist.all_reduce(local, group=self._group)
@@ -230,7 +240,7 @@ class ShardedOptimizer:
                 self._holds_state = True
         for view in state.pieces:
             view.grad = None
-        gathered = torch.empty(state.shard.padded_length, dtype=state.params.dtype, device=state.params.device)
+        gathered = cast(torch.Tensor, state.buffer)  # its reduced values are spent: every rank's shard goes there
         self._gathers[index] = (self.gather_start(gathered, state.params), gathered)
 
     def _piece_gradient(self, piece: Piece, reduced: torch.Tensor, written: bool) -> torch.Tensor | None:
@@ -253,7 +263,7 @@ class ShardedOptimizer:
                 work.wait()  # NCCL: the current stream waits for the all-gather's end
             except Exception as error:
                 raise self._gather_failed(index, error) from error
-            if gathered.is_cuda:  # made at the end of backward, freed here: kept until this stream's copy ran
+            if gathered.is_cuda:  # a buffer dropped since (a relayout, an abandoned iteration) is freed here
                 gathered.record_stream(torch.cuda.current_stream(gathered.device))
             shard = self._buckets[index].shard
             members = self._plan.buckets[index]

@@ -20,6 +20,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
+from overlapddp.backend_support import backend_for
 from overlapddp.comm_hook import CommHook
 from overlapddp.comm_hook_validation import builtin_hook, check_comm_hook
 from overlapddp.compile_split import GraphSplitter, in_compiled_autograd
@@ -422,9 +423,10 @@ class OverlapDDP(nn.Module, Joinable):
                 "skip_all_reduce_unused_params": options.skip_all_reduce_unused_params,
             },
             comm_hook=None if registered is None else getattr(registered[1], "__qualname__", repr(registered[1])),
+            backend=backend_for(self.process_group, self._reducer.params[0].device),
         )
         check_shardable(optimizer, request)
-        return ShardedOptimizer(self._reducer, self.module, optimizer, switches["max_grad_norm"])
+        return ShardedOptimizer(self._reducer, self.module, optimizer, request.backend, switches["max_grad_norm"])
 
     def record_fences(self) -> FenceLog:
         """Start recording every fence edge (a debug option); ``log.violations()`` checks their order."""
