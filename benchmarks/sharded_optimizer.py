@@ -13,8 +13,9 @@ arithmetic on whole tensors and on shards):
 - ``ddp``: ``DistributedDataParallel`` + ``torch.optim.AdamW`` (the reference);
 - ``zero``: ``DistributedDataParallel`` + ``ZeroRedundancyOptimizer(params, optimizer_class=AdamW)``:
   whole parameters assigned to ranks, each rank's step after backward, then broadcasts;
-- ``ours``: ``OverlapDDP`` + ``attach_optimizer(AdamW, shard=True)``: reduce-scatter per bucket, the
-  shard's update at the end of backward, then an all-gather.
+- ``ours``: ``OverlapDDP`` + ``attach_optimizer(AdamW, shard=True)``: each bucket reduced to this
+  rank's shard during backward (over gloo an all-reduce in place), the shard's update at the end of
+  backward, then the shards gathered back (over gloo one broadcast per rank), all in the bucket's buffer.
 
 ZeRO's ``overlap_with_ddp=True`` form (``hook_with_zero_step`` with a functional AdamW) is tried once
 per run; on gloo torch refuses it, and the exact error is reported instead of a timing.
@@ -44,8 +45,8 @@ ours moving its state to the rebuilt buckets, included), then, restarted, over o
 counts everything the variant holds or briefly allocates, on any thread: model, gradients, buckets,
 optimizer state, activations, gloo's buffers and copies. It is page-granular and includes allocator
 slack, so differences under a MiB or so are noise. (The allocator events of
-``torch.profiler.profile(profile_memory=True)`` miss frees made on gloo's threads, such as the copy
-gloo's reduce-scatter makes of each bucket, so their running total overstates; they are not used.)
+``torch.profiler.profile(profile_memory=True)`` miss frees made on gloo's threads, such as the
+temporaries of gloo's collectives, so their running total overstates; they are not used.)
 """
 
 from __future__ import annotations

@@ -63,7 +63,9 @@ class BucketStorage:
             total += length
         padding = -total % pad_to
         self.padded = torch.empty(total + padding, dtype=first.dtype, device=first.device)
-        self.padded[total:].zero_()  # never written again: every write goes through buffer or views
+        # Zero, and zero again after any write: the copy-in writes only through buffer or views, and a
+        # sharded optimizer's all-gather into ``padded`` brings back its shards' padding, never updated.
+        self.padded[total:].zero_()
         self.buffer = self.padded.narrow(0, 0, total) if padding else self.padded
         self.views = [strided_view(self.buffer, p, off) for p, off in zip(params, self.offsets, strict=True)]
 

@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 
 from overlapddp.bucket_storage import is_dense_permutation
+from overlapddp.shard_collectives import SHARDED_BACKENDS
 
 # The optimizers whose update is elementwise, and for each the names of its per-element state
 # (every other state entry, e.g. Adam's step, is one value per parameter).
@@ -37,8 +38,6 @@ class ShardRequest:
     comm_hook: str | None  # the registered communication hook's name
     backend: str  # the process group's backend for the parameters' device
 
-
-SHARDED_BACKENDS = ("gloo", "nccl")  # gloo: each bucket all-reduced in place; nccl: reduce-scattered in place
 
 # Why each switch cannot be combined with a sharded optimizer.
 _INCOMPATIBLE = {

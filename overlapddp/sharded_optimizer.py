@@ -6,8 +6,7 @@ Attached with ``OverlapDDP.attach_optimizer(optimizer, shard=True)``. Per bucket
 1. *backward*: the bucket is filled exactly as for DDP (each gradient times ``1 / world_size``
    while copying), padded with zeros to a multiple of the world size (shard_layout.py), and
    reduce-scattered (SUM) in place, launched when the bucket is complete: this rank's shard is its
-   slice of the bucket's buffer. gloo's reduce-scatter is an all-reduce of a copy, then that slice
-   (bit for bit), so over gloo the bucket is all-reduced in place, as by DDP, without the copy.
+   slice of the bucket's buffer (over gloo, the same bits from an all-reduce: shard_collectives.py).
 2. *end of backward* (the reducer's finalize, bucket by bucket as each completes): this rank's
    pieces of the parameters, views of a flat parameter shard refreshed from the parameters, are
    updated by an optimizer of the user's class with the user's hyperparameters (mirrored before
@@ -37,8 +36,9 @@ from overlapddp.bucket_plan import BucketPlan
 from overlapddp.comm_hook import Bucket
 from overlapddp.reducer import Reducer
 from overlapddp.shard_checks import ELEMENTWISE_STATE
+from overlapddp.shard_collectives import gather_shards, reduce_to_shard
 from overlapddp.shard_layout import BucketShard, Piece, plan_shards
-from overlapddp.torch_compat import all_gather_flat, foreach_copy_, reduce_scatter_flat
+from overlapddp.torch_compat import foreach_copy_
 
 if TYPE_CHECKING:
     from torch import nn
@@ -108,10 +108,9 @@ class ShardedOptimizer:
         self._gathers: dict[int, tuple[Any, torch.Tensor]] = {}
         # Starts one bucket's all-gather (gathered, shard) -> work; overlapddp.testing delays it.
         self.gather_start: Callable[[torch.Tensor, torch.Tensor], Any] = functools.partial(
-            all_gather_flat, group=self._group, async_op=True
+            gather_shards, group=self._group, backend=backend
         )
-        # gloo reduce-scatters by all-reducing a copy of the bucket: all-reduce the bucket itself instead.
-        self._all_reduces = backend == "gloo"
+        self._backend = backend  # which collectives reduce and gather a shard (shard_collectives.py)
         self._holds_state = False  # whether any shard has optimizer state (equal on every rank)
         self._stepped_at = 0  # reducer.reductions that the user's step() has acknowledged
         # Refuses before anything is rebound.
@@ -123,6 +122,8 @@ class ShardedOptimizer:
         self._handles = [
             module.register_forward_pre_hook(lambda _module, _inputs: self._before_forward()),
             module.register_state_dict_pre_hook(lambda _module, _prefix, _keep_vars: self.gather_parameters()),
+            # A pending all-gather would overwrite the loaded values at the next forward.
+            module.register_load_state_dict_pre_hook(lambda *_: self.gather_parameters()),
         ]
         reducer.set_reduction_callbacks(None, self._all_reduced)
         if stepped is not None:  # resharded: the state it has is cut into this rank's pieces
@@ -161,8 +162,7 @@ class ShardedOptimizer:
     # -- the iteration ------------------------------------------------------------------------
 
     def _reduce_scatter(self, bucket: Bucket) -> torch.futures.Future:
-        """The bucket's collective: a SUM reduce-scatter of the scaled, padded buffer into this rank's
-        slice of it (over gloo an all-reduce of it: the same bits in that slice, without gloo's copy)."""
+        """The bucket's collective: the scaled, padded buffer summed into this rank's slice of it."""
         index = bucket.index()
         state = self._buckets[index]
         buffer = bucket.buffer()
@@ -172,10 +172,7 @@ class ShardedOptimizer:
                 f"{state.shard.padded_length}: the buckets changed without a forward in between."
             )
         state.buffer = buffer
-        if self._all_reduces:
-            return dist.all_reduce(buffer, group=self._group, async_op=True).get_future()
-        shard = buffer.narrow(0, self.rank * state.shard.shard_length, state.shard.shard_length)
-        return reduce_scatter_flat(shard, buffer, group=self._group, async_op=True).get_future()
+        return reduce_to_shard(buffer, self.rank, self._group, self._backend)
 
     def _bucket_reduced(self, index: int, written: list[bool]) -> None:
         """Bucket ``index``'s shard is reduced: update this rank's pieces, then all-gather them."""
@@ -206,16 +203,20 @@ class ShardedOptimizer:
 
     def _abandoned(self) -> None:
         """The reducer dropped the iteration (a failed reduction): the buckets waiting for the norm and
-        their shares of it go with it, so the next backward's norm and updates are its own. (Each
-        piece's gradient is set anew when its bucket is next reduced.) Without clipping, buckets
-        updated before the failure keep their update; their all-gathers complete at the next forward."""
+        their shares of it go with it, so the next backward's norm and updates are its own, and their
+        pieces' gradients (views of buckets the reducer may have replaced) are let go. Without
+        clipping, buckets updated before the failure keep their update; their all-gathers complete at
+        the next forward."""
+        for index in self._waiting:
+            for view in self._buckets[index].pieces:
+                view.grad = None
         self._waiting, self._squares = [], []
 
     def _clip(self, max_norm: float) -> None:
         """Scale every piece's gradient as ``clip_grad_norm_`` would, with the norm of all gradients: the
         sum of squares of each rank's pieces (in float64), summed over ranks, its root rounded once."""
         first = self._buckets[0].params
-        local = torch.stack(self._squares).sum() if self._squares else torch.zeros((), dtype=torch.float64)
+        local = torch.stack(self._squares).sum() if self._squares else torch.zeros((), dtype=torch.float64, device=first.device)
         self._squares = []
         dist.all_reduce(local, group=self._group)
         total = local.sqrt().to(first.dtype)

@@ -23,7 +23,7 @@ LAYERS = [
     {"device_streams", "torch_compat", "tuning.clock", "backend_support", "options"},
     {"bucket_plan", "bucket_storage", "fence", "comm_hook", "param_usage", "token_weighting", "module_sync",
      "bucket_unscaler", "sparse_reduction", "sync_checks", "progress",
-     "shard_layout"},
+     "shard_layout", "shard_collectives"},
     {"tuning.cost_model", "comm_hook_validation", "timeline", "delayed_reduction", "mixed_precision",
      "tuning.selection", "bucket_reduction", "gradient_checks"},
     {"tuning.tuner", "tuning"},

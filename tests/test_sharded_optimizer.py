@@ -410,3 +410,28 @@ def test_an_iteration_dropped_mid_reduction_leaves_no_clipping_state_behind(one_
             step(model, opt, index)
         assert _equal_modules(fresh, failing), f"step {index}"
         assert _equal_state(failing_opt.state_dict(), fresh_opt.state_dict()), f"step {index}"
+
+
+def test_a_state_dict_loaded_between_backward_and_forward_is_not_overwritten_by_the_pending_gathers(one_rank):
+    """After backward the updated parameters wait in their all-gathers; loading a checkpoint then
+    must win over them, as with DDP, whose parameters the loaded values replace."""
+    model = OverlapDDP(models.build("mlp"), bucket_cap_mb=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.attach_optimizer(opt, shard=True)
+    saved = copy.deepcopy(model.module.state_dict())
+    for step in range(2):  # the second backward's gathers go to DDP's rebuilt buckets
+        inputs, target = models.batch("mlp", 0, step)
+        models.loss_of(model(inputs), target).backward()
+        opt.step()
+    model.module.load_state_dict(saved)
+    model(inputs)  # the forward's pre-hook finds no all-gather left to complete
+    assert all(torch.equal(p, saved[name]) for name, p in model.module.named_parameters())
+
+
+def test_backends_other_than_gloo_and_nccl_are_refused_by_name():
+    from overlapddp.shard_checks import ShardRequest, check_shardable
+
+    param = torch.nn.Parameter(torch.zeros(3))
+    request = ShardRequest([param], ["w"], {id(param): "w"}, frozenset(), {}, None, backend="mpi")
+    with pytest.raises(ValueError, match="shard=True supports the gloo and nccl backends, not mpi"):
+        check_shardable(torch.optim.SGD([param], lr=0.1), request)
