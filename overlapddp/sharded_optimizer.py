@@ -216,7 +216,8 @@ class ShardedOptimizer:
         """Scale every piece's gradient as ``clip_grad_norm_`` would, with the norm of all gradients: the
         sum of squares of each rank's pieces (in float64), summed over ranks, its root rounded once."""
         first = self._buckets[0].params
-        local = torch.stack(self._squares).sum() if self._squares else torch.zeros((), dtype=torch.float64, device=first.device)
+        no_squares = torch.zeros((), dtype=torch.float64, device=first.device)  # this rank has only padding
+        local = torch.stack(self._squares).sum() if self._squares else no_squares
         self._squares = []
         dist.all_reduce(local, group=self._group)
         total = local.sqrt().to(first.dtype)
