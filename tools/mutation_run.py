@@ -74,6 +74,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
         "tests/test_comm_hooks.py::test_bad_hook_result_raises_naming_hook_and_bucket_on_every_rank",
     ),
     "overlapddp/tuning/cost_model.py": ("tests/test_tuned_plan.py",),
+    "overlapddp/shard_layout.py": ("tests/test_shard_layout.py",),
 }
 
 
