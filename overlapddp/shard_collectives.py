@@ -14,7 +14,7 @@ gloo does instead gives the same bits without it, and takes less time (measured 
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,12 @@ def reduce_to_shard(buffer: torch.Tensor, rank: int, group: dist.ProcessGroup, b
     return reduce_scatter_flat(shard, buffer, group=group, async_op=True).get_future()
 
 
+class Waitable(Protocol):
+    """A started collective: ``wait()`` returns once it is done (raises if it failed)."""
+
+    def wait(self) -> object: ...
+
+
 class Broadcasts:
     """One all-gather made of one broadcast per rank: waited as one."""
 
@@ -45,11 +51,11 @@ class Broadcasts:
         return True
 
 
-def gather_shards(gathered: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, backend: str) -> object:
+def gather_shards(gathered: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, backend: str) -> Waitable:
     """Start gathering every rank's ``shard`` into ``gathered``, rank ``r``'s in its chunk ``r``;
     returns what to ``wait()`` on."""
     if backend != "gloo":
-        return all_gather_flat(gathered, shard, group=group, async_op=True)
+        return cast(dist.Work, all_gather_flat(gathered, shard, group=group, async_op=True))
     chunks = gathered.chunk(group.size())
     chunks[dist.get_rank(group)].copy_(shard)
     return Broadcasts([

@@ -38,6 +38,7 @@ from overlapddp.reducer import Reducer
 from overlapddp.shard_checks import ELEMENTWISE_STATE
 from overlapddp.shard_collectives import gather_shards, reduce_to_shard
 from overlapddp.shard_layout import BucketShard, Piece, plan_shards
+from overlapddp.shard_relayout import HeldShard, moved_state
 from overlapddp.torch_compat import foreach_copy_
 
 if TYPE_CHECKING:
@@ -150,14 +151,17 @@ class ShardedOptimizer:
 
     def _relayout_if_replanned(self) -> None:
         """The reducer changed its buckets (DDP's rebuild after the first iteration, a restored layout):
-        move the state into the new shards, through its unsharded form."""
+        move the state into the new shards (shard_relayout.py)."""
         if self._reducer.plan is self._plan:
             return
-        state = self.state_dict() if self._holds_state else None
+        held = [HeldShard(state.shard, self._plan.buckets[state.shard.bucket], self._entries(state))
+                for state in self._buckets]
         self._plan = self._reducer.plan
         self._buckets = self._build(self._plan)
-        if state is not None:
-            self.load_state_dict(state)
+        if self._holds_state:
+            device = self._params[0].device
+            moved = moved_state(held, self.local_pieces(), self._elementwise, device, self._group, self._backend)
+            self.install(self.packed_groups(), lambda piece: moved.get(piece.param), True)
 
     # -- the iteration ------------------------------------------------------------------------
 
@@ -331,15 +335,15 @@ class ShardedOptimizer:
 
     def local_state(self) -> list[tuple[Piece, dict[str, Any]]]:
         """This rank's pieces that have optimizer state, each with its state entry."""
-        mine = []
-        for state in self._buckets:
-            if state.inner is None:
-                continue
-            for piece, view in zip(state.shard.pieces, state.pieces, strict=True):
-                entry = state.inner.state.get(view)
-                if entry:
-                    mine.append((piece, dict(entry)))
-        return mine
+        return [held for state in self._buckets for held in self._entries(state)]
+
+    @staticmethod
+    def _entries(state: _BucketShardState) -> list[tuple[Piece, dict[str, Any]]]:
+        """This rank's pieces of one bucket that have optimizer state, each with its state entry."""
+        if state.inner is None:
+            return []
+        return [(piece, dict(entry)) for piece, view in zip(state.shard.pieces, state.pieces, strict=True)
+                if (entry := state.inner.state.get(view))]
 
     def local_pieces(self) -> list[Piece]:
         """This rank's pieces of every bucket, in bucket order."""

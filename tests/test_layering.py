@@ -25,7 +25,7 @@ LAYERS = [
      "bucket_unscaler", "sparse_reduction", "sync_checks", "progress",
      "shard_layout", "shard_collectives"},
     {"tuning.cost_model", "comm_hook_validation", "timeline", "delayed_reduction", "mixed_precision",
-     "tuning.selection", "bucket_reduction", "gradient_checks"},
+     "tuning.selection", "bucket_reduction", "gradient_checks", "shard_relayout"},
     {"tuning.tuner", "tuning"},
     # Which layout is in force (initial, DDP's rebuild, tuning, final); how one bucket is reduced.
     {"layout_lifecycle", "bucket_pipeline"},

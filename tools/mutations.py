@@ -472,6 +472,14 @@ MUTATIONS = (
         ("tests/test_reliability.py::test_survivors_of_a_rank_dead_before_its_all_gathers_raise_naming_the_bucket_and_the_rank",),
     ),
     Mutation(
+        "shard_relayout_piece_from_slot_start",
+        "sharded optimizer: after DDP's bucket rebuild each new piece's state is copied from its parameter's start",
+        "overlapddp/shard_relayout.py",
+        "                    start = bucket.shard.offsets[slot] + new.start\n",
+        "                    start = bucket.shard.offsets[slot]\n",
+        (SHARDED_WS2,),
+    ),
+    Mutation(
         "shard_checkpoint_piece_at_shard_offset",
         "sharded DCP checkpoint: each piece saved at its offset in the rank's shard, not in its parameter",
         "overlapddp/sharded_checkpoint.py",
