@@ -75,4 +75,8 @@ def _gathered(
             shard.narrow(0, piece.shard_offset, piece.length).copy_(cast(torch.Tensor, entry[key]))
     gathered = torch.empty(bucket.shard.padded_length, dtype=dtype, device=device)
     gather_shards(gathered, shard, group, backend).wait()
+    if gathered.is_cuda:  # NCCL's wait orders only the current stream after the gather: keep both for it
+        stream = torch.cuda.current_stream(device)
+        shard.record_stream(stream)
+        gathered.record_stream(stream)
     return gathered

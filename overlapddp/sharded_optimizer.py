@@ -156,6 +156,13 @@ class ShardedOptimizer:
             return
         held = [HeldShard(state.shard, self._plan.buckets[state.shard.bucket], self._entries(state))
                 for state in self._buckets]
+        # The old shards were last read by their all-gathers (waited by this stream) and their state
+        # is read below, on this stream: they may be freed only once it has run that far.
+        self._reducer.fence.keep_for_current_stream(
+            [state.params for state in self._buckets]
+            + [value for bucket in held for _, entry in bucket.entries for value in entry.values()
+               if isinstance(value, torch.Tensor)]
+        )
         self._plan = self._reducer.plan
         self._buckets = self._build(self._plan)
         if self._holds_state:
