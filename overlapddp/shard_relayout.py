@@ -74,9 +74,6 @@ def _gathered(
         if key in entry:
             shard.narrow(0, piece.shard_offset, piece.length).copy_(cast(torch.Tensor, entry[key]))
     gathered = torch.empty(bucket.shard.padded_length, dtype=dtype, device=device)
+    # Both made on the current stream, which NCCL's wait orders after the gather: freed after it too.
     gather_shards(gathered, shard, group, backend).wait()
-    if gathered.is_cuda:  # NCCL's wait orders only the current stream after the gather: keep both for it
-        stream = torch.cuda.current_stream(device)
-        shard.record_stream(stream)
-        gathered.record_stream(stream)
     return gathered
