@@ -51,3 +51,9 @@ def test_padding_and_bad_ranks():
     assert [padded_length(n, 3) for n in (1, 3, 4, 6)] == [3, 3, 6, 6]
     with pytest.raises(ValueError, match="0 <= rank < world_size"):
         plan_bucket(0, [0], [4], world_size=2, rank=2)
+
+
+@pytest.mark.parametrize("world_size, rank", [(0, 0), (2, -1), (2, 2), (3, 5)])
+def test_a_rank_outside_the_world_is_refused(world_size, rank):
+    with pytest.raises(ValueError, match=f"got rank {rank} and world_size {world_size}"):
+        plan_bucket(0, [0], [4], world_size, rank)

@@ -68,4 +68,21 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "warnings.warn(message, UserWarning, stacklevel=3) => warnings.warn(message, UserWarning, stacklevel= 2)",
         _STACKLEVEL,
     ),
+    Equivalent(
+        "overlapddp/shard_layout.py",
+        "@dataclass(frozen=True) => @dataclass(frozen=False)",
+        "no Piece or BucketShard is ever assigned to or hashed (they are dict values, list items and pickled "
+        "objects), and equality, repr and pickling are the same for a frozen and a plain dataclass",
+    ),
+    Equivalent(
+        "overlapddp/shard_layout.py",
+        "if world_size < 1 or not 0 <= rank < world_size: => if world_size < 0 or not 0 <= rank < world_size:",
+        "for world_size 0 no rank satisfies 0 <= rank < 0, so the rank check refuses it anyway (tested, with "
+        "its message)",
+    ),
+    Equivalent(
+        "overlapddp/shard_layout.py",
+        "for param, length in zip(members, lengths, strict=True): => for param, length in zip(members, lengths, strict=False):",  # noqa: E501 (the line as cosmic-ray changes it)
+        "plan_shards, its only caller in the package, builds lengths from members, one per member",
+    ),
 )
