@@ -73,7 +73,7 @@ class BucketCaps:
 
 
 def _check_cap(name: str, mb: object) -> None:
-    if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb > 0 or mb != mb:
+    if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb > 0:  # NaN is not > 0 either
         raise ValueError(f"{name} must be a positive number of MiB, got {mb!r}.")
 
 

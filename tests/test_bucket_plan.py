@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlapddp.bucket_plan import MIB, BucketCaps, assign_by_size, initial_plan, rebuilt_plan
+from overlapddp.bucket_plan import MIB, BucketCaps, assign_by_size, explicit_plan, initial_plan, rebuilt_plan
 
 
 def floats(*numels: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
@@ -116,3 +116,39 @@ def test_rebuilt_plan_puts_first_ready_gradients_in_bucket_zero():
 def test_rebuilt_plan_rejects_an_incomplete_ready_order():
     with pytest.raises(ValueError, match="every parameter exactly once"):
         rebuilt_plan(floats(1, 1), [False, False], BucketCaps.from_user(None, None), [0])
+
+
+def test_a_bucket_one_byte_under_its_cap_stays_open_and_each_bucket_counts_from_zero():
+    """1024 + 1020 bytes is one byte under a 2045-byte cap: the third tensor closes the bucket, and the
+    next bucket counts its bytes afresh (an off-by-one start closes either bucket a tensor early)."""
+    params = floats(256, 255, 256, 256, 255, 256)
+    assert assign_by_size(params, [2045], [False] * 6) == [((0, 1, 2), 2045), ((3, 4, 5), 2045)]
+
+
+def test_a_bucket_never_closed_records_the_first_cap():
+    assert assign_by_size(floats(10), [2045, 10**9], [False]) == [((0,), 2045)]
+
+
+def test_caps_are_in_mebibytes():
+    assert BucketCaps.from_user(1, None).bytes_cap == 1_048_576
+    assert BucketCaps.from_user(None, None).rebuild_limits() == [1_048_576, 26_214_400]
+
+
+def test_a_cap_list_starts_with_its_first_entry():
+    assert BucketCaps.from_user(None, [3, 1, 2]).first_bytes == 3 * 1_048_576
+
+
+@pytest.mark.parametrize("bad", [[], (), "25"])
+def test_an_empty_or_string_cap_list_is_refused(bad):
+    with pytest.raises(ValueError, match="bucket_cap_mb_list must be a non-empty list"):
+        BucketCaps.from_user(None, bad)
+
+
+def test_an_explicit_plan_records_each_buckets_size_in_bytes():
+    params = floats(10, 20, 30)
+    assert explicit_plan(params, [[2], [0, 1]]).size_limits == (120, 120)
+
+
+def test_rebuilt_plan_rejects_a_ready_order_with_a_repeated_parameter():
+    with pytest.raises(ValueError, match="every parameter exactly once"):
+        rebuilt_plan(floats(1, 1, 1), [False] * 3, BucketCaps.from_user(None, None), [0, 2, 2])

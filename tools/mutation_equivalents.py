@@ -85,4 +85,23 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "for param, length in zip(members, lengths, strict=True): => for param, length in zip(members, lengths, strict=False):",  # noqa: E501 (the line as cosmic-ray changes it)
         "plan_shards, its only caller in the package, builds lengths from members, one per member",
     ),
+    Equivalent(
+        "overlapddp/bucket_plan.py",
+        "@dataclass(frozen=True) => @dataclass(frozen=False)",
+        "no BucketCaps or BucketPlan is ever assigned to or hashed (plans are compared by identity, caps read), "
+        "and equality and repr are the same for a frozen and a plain dataclass",
+    ),
+    Equivalent(
+        "overlapddp/bucket_plan.py",
+        "if isinstance(bucket_cap_mb_list, (str, bytes)) or len(bucket_cap_mb_list) == 0: "
+        "=> if isinstance(bucket_cap_mb_list, (str, bytes)) or len(bucket_cap_mb_list) <= 0:",
+        "a length is never negative",
+    ),
+    Equivalent(
+        "overlapddp/bucket_plan.py",
+        "return self.rebuild_limits() if self.first_bytes < self.bytes_cap else [self.bytes_cap] "
+        "=> return self.rebuild_limits() if self.first_bytes != self.bytes_cap else [self.bytes_cap]",
+        "without a cap list, first_bytes is 1 MiB under the 25 MiB default cap or equals the user's cap: never "
+        "larger, so < and != agree",
+    ),
 )
