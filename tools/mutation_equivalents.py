@@ -104,4 +104,11 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "without a cap list, first_bytes is 1 MiB under the 25 MiB default cap or equals the user's cap: never "
         "larger, so < and != agree",
     ),
+    Equivalent(
+        "overlapddp/bucket_plan.py",
+        "return self.rebuild_limits() if self.first_bytes < self.bytes_cap else [self.bytes_cap] "
+        "=> return self.rebuild_limits() if self.first_bytes is not self.bytes_cap else [self.bytes_cap]",
+        "first_bytes is the user's cap object itself, or 1 MiB under the 25 MiB default; and where equal caps were "
+        "distinct objects, limits [cap, cap] assign exactly as [cap] (the last limit repeats)",
+    ),
 )
