@@ -7,6 +7,7 @@ import io
 import os
 import random
 import time
+from typing import Callable
 
 import pytest
 import torch
@@ -17,6 +18,17 @@ from tests import models
 from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
 
 
+def _error_after(action: Callable[[], object]) -> dict[str, object]:
+    """Run ``action`` (which should fail because a rank died): its error message and how long it took."""
+    start = time.perf_counter()
+    try:
+        action()
+        message = "no error"
+    except RuntimeError as error:
+        message = str(error)
+    return {"message": message, "seconds": time.perf_counter() - start}
+
+
 def _rank_dies_mid_step(rank: int, world_size: int) -> dict[str, object]:
     model = OverlapDDP(models.build("mlp"))
     inputs, target = models.batch("mlp", rank, 0)
@@ -24,13 +36,7 @@ def _rank_dies_mid_step(rank: int, world_size: int) -> dict[str, object]:
     loss = models.loss_of(model(inputs), target)
     if rank == world_size - 1:
         os._exit(1)  # dies after its forward, before its buckets are launched
-    start = time.perf_counter()
-    try:
-        loss.backward()
-        message = "no error"
-    except RuntimeError as error:
-        message = str(error)
-    return {"message": message, "seconds": time.perf_counter() - start}
+    return _error_after(loss.backward)
 
 
 def test_survivors_of_a_dead_rank_raise_naming_the_bucket_within_the_timeout():
@@ -54,13 +60,7 @@ def _rank_dies_before_its_all_gathers(rank: int, world_size: int) -> dict[str, o
     if rank == world_size - 1:
         sharded.gather_start = lambda gathered, shard: os._exit(1)
     loss.backward()
-    start = time.perf_counter()
-    try:
-        model(inputs)
-        message = "no error"
-    except RuntimeError as error:
-        message = str(error)
-    return {"message": message, "seconds": time.perf_counter() - start}
+    return _error_after(lambda: model(inputs))
 
 
 def test_survivors_of_a_rank_dead_before_its_all_gathers_raise_naming_the_bucket_and_the_rank():
