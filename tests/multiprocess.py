@@ -43,8 +43,10 @@ _STACK_WAIT_S = 10.0  # at most this long for a hung rank to write its stacks be
 
 def _rank_main(
     rank: int, world_size: int, port: int, target: Callable, args: tuple, results: Any, pg_timeout_s: float,
-    stack_file: str,
+    stack_file: str, environment: dict[str, str],
 ) -> None:
+    os.environ.clear()  # a forked rank has the fork server's environment: give it the test's, as spawn would
+    os.environ.update(environment)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     groups: list = []  # every process group, held until this process ends: see _end_without_teardown
@@ -95,6 +97,18 @@ def _end_without_teardown(results: Any, groups: list) -> None:
     os._exit(0)  # ``groups`` are still held: none is destroyed on one of its own threads
 
 
+def _rank_context() -> Any:
+    """Ranks fork from a server that imported torch and overlapddp once per test process.
+
+    Spawning imports them again in every rank (about 8 s of CPU each, most of a short test's cost);
+    forking from the test process itself is unsafe (its TCPStore and gloo threads). The server
+    starts at the first run of this process, so it imports the package as it is on disk then.
+    """
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed", "overlapddp"])
+    return context
+
+
 def scaled_timeout(timeout_s: float) -> float:
     """``timeout_s`` stretched by ``OVERLAPDDP_TEST_TIMEOUT_SCALE`` (default 1)."""
     return timeout_s * float(os.environ.get(TIMEOUT_SCALE_ENV, "1"))
@@ -116,14 +130,14 @@ def run_ranks(
     """
     limit = scaled_timeout(timeout_s)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    context = mp.get_context("spawn")
+    context = _rank_context()
     results = context.Queue()
     with tempfile.TemporaryDirectory(prefix="overlapddp-ranks-") as scratch:
         stack_files = [str(Path(scratch) / f"rank{r}.stacks") for r in range(world_size)]
         procs = [
             context.Process(
                 target=_rank_main,
-                args=(r, world_size, store.port, target, args, results, pg_timeout_s, stack_files[r]),
+                args=(r, world_size, store.port, target, args, results, pg_timeout_s, stack_files[r], dict(os.environ)),
                 daemon=True,
             )
             for r in range(world_size)
