@@ -27,8 +27,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
@@ -39,7 +41,9 @@ RESULTS = REPO / "results" / "mutation"
 COPY_IGNORE = shutil.ignore_patterns(
     ".git", ".venv", "__pycache__", "*.egg-info", ".pytest_cache", "build", "dist", "img", "results"
 )
-PYTEST = "-m pytest -x -q -p no:cacheprovider -p no:randomly"
+PYTEST_ARGS = "-x -q -p no:cacheprovider -p no:randomly"
+PYTEST = f"-m pytest {PYTEST_ARGS}"
+WARM_SOCKET = "warm-pytest.sock"  # in the scratch copy
 
 # Replacements that make no realistic slip and multiply the count (x ** y, x >> y, x ^ y ...), and
 # the two operators that insert or swap variable names at random (not deterministic across runs).
@@ -73,8 +77,42 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
         "tests/test_comm_hooks.py::test_hook_chains_run_one_bucket_at_a_time",
         "tests/test_comm_hooks.py::test_bad_hook_result_raises_naming_hook_and_bucket_on_every_rank",
     ),
-    "overlapddp/tuning/cost_model.py": ("tests/test_tuned_plan.py",),
+    "overlapddp/tuning/cost_model.py": ("tests/test_plan_selection.py", "tests/test_tuned_plan.py"),
+    "overlapddp/tuning/clock.py": ("tests/test_plan_selection.py", "tests/test_tuned_plan.py"),
+    "overlapddp/tuning/selection.py": ("tests/test_plan_selection.py", "tests/test_tuned_plan.py"),
+    "overlapddp/tuning/tuner.py": ("tests/test_plan_selection.py", "tests/test_tuned_plan.py"),
     "overlapddp/shard_layout.py": ("tests/test_shard_layout.py",),
+    "overlapddp/shard_collectives.py": ("tests/test_sharded_optimizer.py",),
+    "overlapddp/shard_relayout.py": ("tests/test_sharded_optimizer.py",),
+    "overlapddp/shard_checks.py": ("tests/test_sharded_optimizer.py",),
+    "overlapddp/sharded_checkpoint.py": ("tests/test_dcp.py", "tests/test_sharded_optimizer.py"),
+    "overlapddp/sharded_optimizer.py": ("tests/test_sharded_optimizer.py", "tests/test_dcp.py"),
+    "overlapddp/device_streams.py": ("tests/test_cuda_logic.py", "tests/test_streams.py"),
+    "overlapddp/fence.py": ("tests/test_cuda_logic.py", "tests/test_race.py", "tests/test_streams.py"),
+    "overlapddp/pickling.py": ("tests/test_pickling.py", "tests/test_copies.py"),
+    "overlapddp/delayed_reduction.py": ("tests/test_delayed.py",),
+    "overlapddp/join.py": ("tests/test_join.py",),
+    "overlapddp/gradient_checks.py": ("tests/test_errors.py", "tests/test_guard.py", "tests/test_copies.py"),
+    "overlapddp/backend_support.py": ("tests/test_cuda_logic.py", "tests/test_errors.py", "tests/test_sparse.py"),
+    "overlapddp/bucket_unscaler.py": ("tests/test_optimizer_overlap.py", "tests/test_streams.py"),
+    "overlapddp/optimizer_guard.py": ("tests/test_guard.py", "tests/test_cuda_logic.py"),
+    "overlapddp/optimizer_overlap.py": ("tests/test_optimizer_overlap.py", "tests/test_cuda_logic.py"),
+    "overlapddp/mixed_precision.py": ("tests/test_mixed_precision.py",),
+    "overlapddp/token_weighting.py": ("tests/test_token_weighting.py", "tests/test_option_pairs.py"),
+    "overlapddp/sparse_reduction.py": ("tests/test_sparse.py",),
+    "overlapddp/timeline.py": ("tests/test_timeline.py",),
+    "overlapddp/progress.py": ("tests/test_desync.py", "tests/test_reliability.py"),
+    "overlapddp/compile_split.py": ("tests/test_compile.py",),
+    "overlapddp/torch_compat.py": ("tests/test_wrapper.py", "tests/test_cuda_logic.py", "tests/test_parity.py"),
+    "overlapddp/param_usage.py": ("tests/test_wrapper.py", "tests/test_loops.py", "tests/test_user_inputs.py"),
+    "overlapddp/module_sync.py": ("tests/test_wrapper.py", "tests/test_join.py", "tests/test_parity.py"),
+    "overlapddp/bucket_reduction.py": ("tests/test_ready_order.py", "tests/test_comm_hooks.py", "tests/test_parity.py"),
+    "overlapddp/bucket_pipeline.py": ("tests/test_ready_order.py", "tests/test_race.py", "tests/test_parity.py"),
+    "overlapddp/bucket_storage.py": ("tests/test_ready_order.py", "tests/test_comm_hooks.py", "tests/test_parity.py"),
+    "overlapddp/layout_lifecycle.py": ("tests/test_ready_order.py", "tests/test_loops.py", "tests/test_parity.py"),
+    "overlapddp/construction.py": ("tests/test_errors.py", "tests/test_refusal_order.py", "tests/test_wrapper.py"),
+    "overlapddp/testing.py": ("tests/test_race.py", "tests/test_timeline.py", "tests/test_reliability.py"),
+    "overlapddp/integrations/torchft.py": ("tests/test_torchft.py",),
 }
 
 
@@ -159,7 +197,7 @@ def write_config(scratch: Path, module: str, timeout_s: float) -> Path:
         f'module-path = "{module}"\n'
         f"timeout = {timeout_s}\n"
         "excluded-modules = []\n"
-        f'test-command = "{sys.executable} {PYTEST} {tests}"\n'
+        f'test-command = "{" ".join(test_command(scratch))} {tests}"\n'
         "[cosmic-ray.distributor]\n"
         'name = "local"\n'
         "[cosmic-ray.filters.operators-filter]\n"
@@ -168,12 +206,35 @@ def write_config(scratch: Path, module: str, timeout_s: float) -> Path:
     return config
 
 
+def test_command(scratch: Path) -> list[str]:
+    """How a mutant's tests run: through the warm pytest server (tools/warm_pytest.py)."""
+    server = scratch / "tools" / "warm_pytest.py"
+    return [sys.executable, str(server), "run", str(scratch / WARM_SOCKET), *PYTEST_ARGS.split()]
+
+
+@contextmanager
+def warm_server(scratch: Path) -> Iterator[None]:
+    """A pytest server for the scratch copy, torch imported once (a cold start is most of a mutant's cost)."""
+    env = dict(os.environ, PYTHONPATH=str(scratch), PYTHONDONTWRITEBYTECODE="1")
+    server = subprocess.Popen(
+        [sys.executable, str(scratch / "tools" / "warm_pytest.py"), "serve", str(scratch / WARM_SOCKET)],
+        cwd=scratch, env=env, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        if server.stdout is None or server.stdout.readline().strip() != "ready":
+            raise RuntimeError("the warm pytest server did not start (tools/warm_pytest.py)")
+        yield
+    finally:
+        server.kill()
+        server.wait()
+
+
 def baseline_s(scratch: Path, module: str) -> float:
     """Seconds the module's tests take unmutated; they must pass."""
     env = dict(os.environ, PYTHONPATH=str(scratch))
     start = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, *PYTEST.split(), *MODULE_TESTS[module]], cwd=scratch, env=env, capture_output=True, text=True
+        [*test_command(scratch), *MODULE_TESTS[module]], cwd=scratch, env=env, capture_output=True, text=True
     )
     if done.returncode != 0:
         raise RuntimeError(f"{module}: its tests fail unmutated:\n{done.stdout[-3000:]}")
@@ -230,6 +291,23 @@ def run_module(scratch: Path, module: str, timeout_s: float | None) -> tuple[lis
     return read_session(session, module), base, time.perf_counter() - start
 
 
+def run_modules(
+    scratch: Path, modules: list[str], timeout_s: float | None, survivors: bool
+) -> tuple[list[str], list[str]]:
+    """Each module in turn; returns the report's rows and its problem lines (survivors, incompetent)."""
+    rows, problems = [], []
+    for module in modules:
+        mutants, base, wall = run_module(scratch, module, timeout_s)
+        rows.append(summary_row(module, mutants, base, wall))
+        print(rows[-1], flush=True)
+        for m in mutants:
+            if m.outcome in ("survived", "incompetent"):
+                problems.append(f"{m.outcome}: {module}:{m.line} {m.operator}#{m.occurrence}: {m.change}")
+                if survivors:
+                    print("   ", problems[-1], flush=True)
+    return rows, problems
+
+
 def summary_row(module: str, mutants: list[Mutant], base: float | None, wall: float | None) -> str:
     count = {k: sum(m.outcome == k for m in mutants) for k in ("killed", "survived", "timeout", "equivalent")}
     ran = sum(count.values())
@@ -280,19 +358,11 @@ def main(argv: list[str] | None = None) -> int:
                 print("    killed first by:", killers)
         return 0
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
-    rows, problems = [], []
     with tempfile.TemporaryDirectory(prefix="overlapddp-cosmic-ray-") as tmp:
         scratch = Path(tmp) / "repo"
         shutil.copytree(REPO, scratch, ignore=COPY_IGNORE)
-        for module in modules:
-            mutants, base, wall = run_module(scratch, module, args.timeout)
-            rows.append(summary_row(module, mutants, base, wall))
-            print(rows[-1], flush=True)
-            for m in mutants:
-                if m.outcome in ("survived", "incompetent"):
-                    problems.append(f"{m.outcome}: {module}:{m.line} {m.operator}#{m.occurrence}: {m.change}")
-                    if args.survivors:
-                        print("   ", problems[-1], flush=True)
+        with warm_server(scratch):
+            rows, problems = run_modules(scratch, modules, args.timeout, args.survivors)
     report = f"Commit {commit.strip()}, `python3 tools/mutation_run.py {' '.join(argv or sys.argv[1:])}`\n\n"
     report += HEADER + "\n" + "\n".join(rows) + "\n\n" + "\n".join(f"- {p}" for p in problems) + "\n"
     (RESULTS / "report.md").write_text(report)
