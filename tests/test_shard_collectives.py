@@ -26,24 +26,27 @@ class _Started:
 
 def test_nccl_reduces_into_this_ranks_shard_and_gathers_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str, Any, Any]] = []
+    group = _Group()
 
     def reduce_scatter(shard: torch.Tensor, buffer: torch.Tensor, **kwargs: Any) -> _Started:
+        assert kwargs == {"group": group, "async_op": True}
         calls.append(("reduce_scatter", shard, buffer))
         return _Started()
 
     def all_gather(gathered: torch.Tensor, shard: torch.Tensor, **kwargs: Any) -> str:
+        assert kwargs == {"group": group, "async_op": True}, "started, not run to completion here"
         calls.append(("all_gather", gathered, shard))
         return "work"
 
     monkeypatch.setattr(shard_collectives, "reduce_scatter_flat", reduce_scatter)
     monkeypatch.setattr(shard_collectives, "all_gather_flat", all_gather)
     buffer = torch.arange(6.0)
-    assert reduce_to_shard(buffer, 1, _Group(), "nccl") == "future"  # type: ignore[arg-type, comparison-overlap]
+    assert reduce_to_shard(buffer, 1, group, "nccl") == "future"  # type: ignore[arg-type, comparison-overlap]
     (name, shard, whole), = calls
     assert name == "reduce_scatter" and whole is buffer
     assert shard.data_ptr() == buffer[3:].data_ptr() and shard.numel() == 3, "rank 1's half, in place"
     shard = torch.ones(3)
-    assert gather_shards(buffer, shard, _Group(), "nccl") == "work"  # type: ignore[arg-type, comparison-overlap]
+    assert gather_shards(buffer, shard, group, "nccl") == "work"  # type: ignore[arg-type, comparison-overlap]
     assert calls[1] == ("all_gather", buffer, shard)
 
 

@@ -111,4 +111,20 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "first_bytes is the user's cap object itself, or 1 MiB under the 25 MiB default; and where equal caps were "
         "distinct objects, limits [cap, cap] assign exactly as [cap] (the last limit repeats)",
     ),
+    Equivalent(
+        "overlapddp/bucket_unscaler.py",
+        "if p.grad.dtype == torch.float16: => if p.grad.dtype is torch.float16:",
+        "torch dtypes are singletons: a float16 gradient's dtype is torch.float16 itself",
+    ),
+    Equivalent(
+        "overlapddp/bucket_unscaler.py",
+        "if optimizer is not self._optimizer: => if optimizer != self._optimizer:",
+        "torch.optim.Optimizer defines no __eq__, so != compares identity, as is not does",
+    ),
+    Equivalent(
+        "overlapddp/bucket_unscaler.py",
+        'if self.scaler._per_optimizer_states[id(self._optimizer)]["stage"] is not OptState.READY: '
+        '=> if self.scaler._per_optimizer_states[id(self._optimizer)]["stage"] != OptState.READY:',
+        "OptState is an Enum: its members compare equal only to themselves",
+    ),
 )
