@@ -278,7 +278,7 @@ def run_module(scratch: Path, module: str, timeout_s: float | None) -> tuple[lis
     per_mutant = timeout_s if timeout_s is not None else round(2 * base + 15, 1)
     config = write_config(scratch, module, per_mutant)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    session = RESULTS / (module.replace("/", ".").removesuffix(".py") + ".sqlite")
+    session = session_of(module)
     session.unlink(missing_ok=True)
     start = time.perf_counter()
     for step in (("cosmic-ray", "init", str(config), str(session)), ("cr-filter-operators", str(session), str(config))):
@@ -308,6 +308,44 @@ def run_modules(
     return rows, problems
 
 
+def recheck_survivors(scratch: Path, module: str) -> int:
+    """Run each survivor of ``module``'s finished session again with the module's current tests
+    (added since the session ran) and record the new outcome there; returns how many were killed.
+    The killed ones need no rerun: tests were only added."""
+    from cosmic_ray.mutating import mutate_code
+    from cosmic_ray.plugins import get_operator
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
+
+    equivalent = {(e.module, e.change) for e in EQUIVALENTS}
+    timeout_s = round(2 * baseline_s(scratch, module) + 15, 1)
+    path = scratch / module
+    source = path.read_text()
+    env = dict(os.environ, PYTHONPATH=str(scratch), PYTHONDONTWRITEBYTECODE="1")
+    killed = 0
+    with use_db(str(session_of(module)), WorkDB.Mode.open) as db:
+        for item, result in list(db.completed_work_items):
+            spec = item.mutations[0]
+            if result.test_outcome != TestOutcome.SURVIVED or (module, change_of(result.diff or "")) in equivalent:
+                continue
+            path.write_text(mutate_code(source, get_operator(spec.operator_name)(), spec.occurrence))
+            try:
+                done = subprocess.run([*test_command(scratch), *MODULE_TESTS[module]], cwd=scratch, env=env,
+                                      capture_output=True, text=True, timeout=timeout_s)
+                output, outcome = done.stdout, TestOutcome.SURVIVED if done.returncode == 0 else TestOutcome.KILLED
+            except subprocess.TimeoutExpired:
+                output, outcome = "timeout", TestOutcome.KILLED
+            finally:
+                path.write_text(source)
+            killed += outcome == TestOutcome.KILLED
+            db.set_result(item.job_id, WorkResult(WorkerOutcome.NORMAL, output, outcome, result.diff))
+    return killed
+
+
+def session_of(module: str) -> Path:
+    return RESULTS / (module.replace("/", ".").removesuffix(".py") + ".sqlite")
+
+
 def summary_row(module: str, mutants: list[Mutant], base: float | None, wall: float | None) -> str:
     count = {k: sum(m.outcome == k for m in mutants) for k in ("killed", "survived", "timeout", "equivalent")}
     ran = sum(count.values())
@@ -334,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="print modules and tests, run nothing")
     parser.add_argument("--survivors", action="store_true", help="print each survivor's change")
     parser.add_argument("--reread", action="store_true", help="report from the sessions in results/mutation")
+    parser.add_argument("--recheck", action="store_true",
+                        help="rerun each survivor of a finished session with the current tests, then report")
     args = parser.parse_args(argv)
     modules = args.modules or list(MODULE_TESTS)
     unknown = [m for m in modules if m not in MODULE_TESTS]
@@ -343,9 +383,16 @@ def main(argv: list[str] | None = None) -> int:
         for module in modules:
             print(module, "<-", " ".join(MODULE_TESTS[module]))
         return 0
-    if args.reread:
+    if args.recheck:
+        with tempfile.TemporaryDirectory(prefix="overlapddp-cosmic-ray-") as tmp:
+            scratch = Path(tmp) / "repo"
+            shutil.copytree(REPO, scratch, ignore=COPY_IGNORE)
+            with warm_server(scratch):
+                for module in modules:
+                    print(f"{module}: {recheck_survivors(scratch, module)} more killed", flush=True)
+    if args.reread or args.recheck:
         for module in modules:
-            session = RESULTS / (module.replace("/", ".").removesuffix(".py") + ".sqlite")
+            session = session_of(module)
             if session.exists():
                 mutants = read_session(session, module)
                 print(summary_row(module, mutants, None, None))
