@@ -45,10 +45,9 @@ class Broadcasts:
     def __init__(self, works: list[dist.Work | None]) -> None:
         self._works = works
 
-    def wait(self) -> bool:
+    def wait(self) -> None:
         for work in self._works:
             cast(dist.Work, work).wait()  # async_op=True: never None
-        return True
 
 
 def gather_shards(gathered: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, backend: str) -> Waitable:

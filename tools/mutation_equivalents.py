@@ -127,4 +127,15 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         '=> if self.scaler._per_optimizer_states[id(self._optimizer)]["stage"] != OptState.READY:',
         "OptState is an Enum: its members compare equal only to themselves",
     ),
+    Equivalent(
+        "overlapddp/optimizer_guard.py",
+        "if self._reducer.reductions == self._stepped_at: => if self._reducer.reductions <= self._stepped_at:",
+        "_stepped_at is only ever set to the reducer's reductions, which only grow: never larger than them",
+    ),
+    Equivalent(
+        "overlapddp/optimizer_guard.py",
+        '+ ("no synchronized backward has run yet." if self._stepped_at == 0 else '
+        '=> + ("no synchronized backward has run yet." if self._stepped_at <= 0 else',
+        "_stepped_at starts at 0 and is only set to the reducer's reductions, a count: never negative",
+    ),
 )

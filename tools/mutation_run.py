@@ -95,7 +95,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "overlapddp/gradient_checks.py": ("tests/test_errors.py", "tests/test_guard.py", "tests/test_copies.py"),
     "overlapddp/backend_support.py": ("tests/test_cuda_logic.py", "tests/test_errors.py", "tests/test_sparse.py"),
     "overlapddp/bucket_unscaler.py": ("tests/test_bucket_unscaler.py", "tests/test_optimizer_overlap.py", "tests/test_streams.py"),
-    "overlapddp/optimizer_guard.py": ("tests/test_guard.py", "tests/test_cuda_logic.py"),
+    "overlapddp/optimizer_guard.py": ("tests/test_guard_detach.py", "tests/test_guard.py", "tests/test_cuda_logic.py"),
     "overlapddp/optimizer_overlap.py": ("tests/test_optimizer_overlap.py", "tests/test_cuda_logic.py"),
     "overlapddp/mixed_precision.py": ("tests/test_mixed_precision.py",),
     "overlapddp/token_weighting.py": ("tests/test_token_weighting.py", "tests/test_option_pairs.py"),
@@ -312,6 +312,8 @@ def recheck_survivors(scratch: Path, module: str) -> int:
     """Run each survivor of ``module``'s finished session again with the module's current tests
     (added since the session ran) and record the new outcome there; returns how many were killed.
     The killed ones need no rerun: tests were only added."""
+    import difflib
+
     from cosmic_ray.mutating import mutate_code
     from cosmic_ray.plugins import get_operator
     from cosmic_ray.work_db import WorkDB, use_db
@@ -328,7 +330,11 @@ def recheck_survivors(scratch: Path, module: str) -> int:
             spec = item.mutations[0]
             if result.test_outcome != TestOutcome.SURVIVED or (module, change_of(result.diff or "")) in equivalent:
                 continue
-            path.write_text(mutate_code(source, get_operator(spec.operator_name)(), spec.occurrence))
+            mutated = mutate_code(source, get_operator(spec.operator_name)(), spec.occurrence)
+            diff = "\n".join(difflib.unified_diff(source.splitlines(), (mutated or "").splitlines(), lineterm=""))
+            if change_of(diff) != change_of(result.diff or ""):
+                raise RuntimeError(f"{module} changed since its session ran: run it again, not --recheck")
+            path.write_text(mutated)
             try:
                 done = subprocess.run([*test_command(scratch), *MODULE_TESTS[module]], cwd=scratch, env=env,
                                       capture_output=True, text=True, timeout=timeout_s)
