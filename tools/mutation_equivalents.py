@@ -138,4 +138,9 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         '=> + ("no synchronized backward has run yet." if self._stepped_at <= 0 else',
         "_stepped_at starts at 0 and is only set to the reducer's reductions, a count: never negative",
     ),
+    Equivalent(
+        "overlapddp/optimizer_guard.py",
+        "if optimizer is self.optimizer: => if optimizer == self.optimizer:",
+        "torch.optim.Optimizer defines no __eq__, so == compares identity, as is does",
+    ),
 )
