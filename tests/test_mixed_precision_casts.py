@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from overlapddp.mixed_precision import MixedPrecision, ParameterCasts, ReduceInPrecision
+from overlapddp.comm_hook import is_unchained
+from overlapddp.mixed_precision import MixedPrecision, ParameterCasts, ReduceInPrecision, reduce_in_precision_hook
 
 
 @pytest.mark.parametrize("name", ["param_dtype", "reduce_dtype", "buffer_dtype"])
@@ -66,3 +67,19 @@ def test_the_end_of_backward_restore_is_queued_once_per_backward_and_never_outsi
     x.register_hook(twice)
     (x * 2).sum().backward()
     assert restores == [1]
+
+
+def test_without_param_dtype_forward_still_runs_on_a_copy_as_ddps() -> None:
+    """DDP swaps in its own ``_mp_param`` tensor even in the parameter's dtype: a write into the
+    parameter during forward does not reach the full-precision value."""
+    param = torch.nn.Parameter(torch.ones(3))
+    casts = ParameterCasts([param], None, fence=_Keeper())  # type: ignore[arg-type]
+    casts.to_low()
+    with torch.no_grad():
+        param.data.mul_(5.0)
+    casts.to_full()
+    assert torch.equal(param.data, torch.ones(3))
+
+
+def test_the_reduction_hook_issues_one_collective_so_buckets_need_no_chain() -> None:
+    assert is_unchained(reduce_in_precision_hook)

@@ -143,4 +143,10 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "if optimizer is self.optimizer: => if optimizer == self.optimizer:",
         "torch.optim.Optimizer defines no __eq__, so == compares identity, as is does",
     ),
+    Equivalent(
+        "overlapddp/mixed_precision.py",
+        "if self.param_dtype is None or not tensor.is_floating_point() or tensor.dtype == self.param_dtype: "
+        "=> if self.param_dtype is None or not tensor.is_floating_point() or tensor.dtype is self.param_dtype:",
+        "torch dtypes are singletons: equal dtypes are the same object",
+    ),
 )
