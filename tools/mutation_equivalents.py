@@ -149,4 +149,10 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "=> if self.param_dtype is None or not tensor.is_floating_point() or tensor.dtype is self.param_dtype:",
         "torch dtypes are singletons: equal dtypes are the same object",
     ),
+    Equivalent(
+        "overlapddp/optimizer_guard.py",
+        "if self._reducer.reductions == self._stepped_at: => if self._reducer.reductions is self._stepped_at:",
+        "_stepped_at is 0 (a cached small int, as the reducer's first count) or the very object the reducer's "
+        "count held at the last step; the count changes only by += 1, to a different value: equal means identical",
+    ),
 )
