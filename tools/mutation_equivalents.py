@@ -155,4 +155,10 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "_stepped_at is 0 (a cached small int, as the reducer's first count) or the very object the reducer's "
         "count held at the last step; the count changes only by += 1, to a different value: equal means identical",
     ),
+    Equivalent(
+        "overlapddp/mixed_precision.py",
+        "return work.get_future().then(lambda done: done.value()[0].div_(world_size)) "
+        "=> return work.get_future().then(lambda done: done.value()[ -1].div_(world_size))",
+        "an all_reduce of one tensor completes its future with a list of exactly that tensor",
+    ),
 )
