@@ -87,7 +87,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "overlapddp/shard_checks.py": ("tests/test_sharded_optimizer.py",),
     "overlapddp/sharded_checkpoint.py": ("tests/test_dcp.py", "tests/test_sharded_optimizer.py"),
     "overlapddp/sharded_optimizer.py": ("tests/test_sharded_optimizer.py", "tests/test_dcp.py"),
-    "overlapddp/device_streams.py": ("tests/test_cuda_logic.py", "tests/test_streams.py"),
+    "overlapddp/device_streams.py": ("tests/test_device_streams.py", "tests/test_cuda_logic.py", "tests/test_streams.py"),
     "overlapddp/fence.py": ("tests/test_cuda_logic.py", "tests/test_race.py", "tests/test_streams.py"),
     "overlapddp/pickling.py": ("tests/test_pickling.py", "tests/test_copies.py"),
     "overlapddp/delayed_reduction.py": ("tests/test_delayed.py",),
