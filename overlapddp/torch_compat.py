@@ -116,22 +116,21 @@ def ddp_accepts(argument: str) -> bool:
 # -- distributed checkpoints (DCP) ------------------------------------------------------------------
 
 
-def let_dcp_unwrap(wrapper_type: type) -> bool:
+def let_dcp_unwrap(wrapper_type: type) -> None:
     """Make DCP's state-dict helpers drop ``wrapper_type``'s ``module.`` prefix, as they drop DDP's.
 
     ``torch.distributed.checkpoint.state_dict`` recognizes DDP by one type check (``isinstance(obj,
     DDP)`` on its module-level name ``DDP``, in ``_get_fqns``) and offers no registration; that name
-    becomes a tuple holding both types. Returns False, leaving the prefix, where that name is gone.
+    becomes a tuple holding both types. Where that name is gone, the prefix stays.
     """
     try:
         from torch.distributed.checkpoint import state_dict as dcp_state_dict
     except ImportError:
-        return False
+        return
     recognized = getattr(dcp_state_dict, "DDP", None)
     if recognized is None:
-        return False
+        return
     types = recognized if isinstance(recognized, tuple) else (recognized,)
     if wrapper_type not in types:
         # dcp checks isinstance(model, DDP); a tuple there widens the check (torch types it as the class).
         dcp_state_dict.DDP = (*types, wrapper_type)  # type: ignore[misc, assignment]
-    return True
