@@ -103,7 +103,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "overlapddp/timeline.py": ("tests/test_timeline.py",),
     "overlapddp/progress.py": ("tests/test_desync.py", "tests/test_reliability.py"),
     "overlapddp/compile_split.py": ("tests/test_compile.py",),
-    "overlapddp/torch_compat.py": ("tests/test_wrapper.py", "tests/test_cuda_logic.py", "tests/test_parity.py"),
+    "overlapddp/torch_compat.py": ("tests/test_torch_compat.py", "tests/test_wrapper.py", "tests/test_cuda_logic.py", "tests/test_parity.py"),
     "overlapddp/param_usage.py": ("tests/test_wrapper.py", "tests/test_loops.py", "tests/test_user_inputs.py"),
     "overlapddp/module_sync.py": ("tests/test_wrapper.py", "tests/test_join.py", "tests/test_parity.py"),
     "overlapddp/bucket_reduction.py": ("tests/test_ready_order.py", "tests/test_comm_hooks.py", "tests/test_parity.py"),
