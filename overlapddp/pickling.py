@@ -12,6 +12,9 @@ What is not carried, and why, is listed in docs/compatibility.md.
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
+import sysconfig
 import warnings
 from dataclasses import dataclass
 from typing import Any, cast
@@ -26,6 +29,15 @@ from overlapddp.options import ReducerOptions
 from overlapddp.progress import ProgressRecord
 from overlapddp.reducer import Reducer
 from overlapddp.sync_checks import SyncFlagCheck
+
+# Where the frames of a copy or a load live that are not the user's: this package, the standard
+# library (copy, pickle's helpers) and torch (torch.load). The standard library's folder usually
+# holds site-packages too, so a framework that copies the model is passed over as well, and the
+# warning points at the script that called it.
+_MACHINERY = tuple(
+    os.path.dirname(path) + os.sep
+    for path in (__file__, os.path.join(sysconfig.get_paths()["stdlib"], "x"), torch.__file__)
+)
 
 # Live objects: bound to this process's group and autograd graph, rebuilt by the copy.
 _NOT_PICKLED = ("process_group", "_reducer", "_hook_handles", "_graph_splitter", "_mixed_precision")
@@ -116,6 +128,15 @@ def bind_to_default_group(recipe: ReducerRecipe) -> dist.ProcessGroup:
             f"The copy of this OverlapDDP reduces with the default all-reduce, as a copy of DDP does: the "
             f"communication hook ({', '.join(recipe.dropped_hooks)}) is not carried; register it on the copy.",
             UserWarning,
-            stacklevel=4,
+            stacklevel=_first_user_frame(),
         )
     return cast(dist.ProcessGroup, dist.group.WORLD)  # initialized, so never None
+
+
+def _first_user_frame() -> int:
+    """The ``stacklevel`` (from the caller) of the first frame outside the copying machinery: the
+    user's ``copy.deepcopy``, ``pickle.loads`` or ``torch.load``, however deep that machinery is."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_MACHINERY):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -161,4 +161,10 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "=> return work.get_future().then(lambda done: done.value()[ -1].div_(world_size))",
         "an all_reduce of one tensor completes its future with a list of exactly that tensor",
     ),
+    Equivalent(
+        "overlapddp/pickling.py",
+        "@dataclass(frozen=True) => @dataclass(frozen=False)",
+        "a ReducerRecipe is never assigned to or hashed (copies are made with dataclasses.replace), and equality "
+        "and repr are the same for a frozen and a plain dataclass",
+    ),
 )
