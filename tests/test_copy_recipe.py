@@ -48,3 +48,9 @@ def test_a_new_wrapper_does_not_check_gradients_for_non_finite_values_as_ddp(one
     model = OverlapDDP(nn.Linear(3, 2))
     model(torch.full((1, 3), float("nan"))).sum().backward()  # DDP reduces NaN gradients as they are
     assert torch.isnan(model.module.weight.grad).all()
+
+
+def test_a_wrapper_of_one_parameter_is_copied(one_rank: None) -> None:
+    model = OverlapDDP(nn.Linear(3, 2, bias=False))
+    twin = copy.deepcopy(model)
+    assert torch.equal(twin.module.weight, model.module.weight)

@@ -26,3 +26,14 @@ def test_the_loop_stand_ins_apply_per_tensor_and_refuse_unequal_lists() -> None:
     assert [t.tolist() for t in tensors] == [[0.0, 0.0], [2.0, 2.0, 2.0]]
     with pytest.raises(ValueError):
         _each("div_")(tensors, [torch.ones(2)])
+
+
+def test_dcp_recognizes_the_wrapper_beside_ddp_once() -> None:
+    from torch.distributed.checkpoint import state_dict as dcp_state_dict
+    from torch.nn.parallel import DistributedDataParallel
+
+    from overlapddp import OverlapDDP
+    from overlapddp.torch_compat import let_dcp_unwrap
+
+    let_dcp_unwrap(OverlapDDP)  # again: already there
+    assert dcp_state_dict.DDP == (DistributedDataParallel, OverlapDDP)

@@ -167,4 +167,16 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "a ReducerRecipe is never assigned to or hashed (copies are made with dataclasses.replace), and equality "
         "and repr are the same for a frozen and a plain dataclass",
     ),
+    Equivalent(
+        "overlapddp/pickling.py",
+        "device = params[0].device => device = params[ -1].device",
+        "OverlapDDP, like DDP, refuses a module whose parameters are on more than one device: the last "
+        "parameter's device is the first's",
+    ),
+    Equivalent(
+        "overlapddp/pickling.py",
+        "if not dist.is_initialized() or group != dist.group.WORLD: "
+        "=> if not dist.is_initialized() or group is not dist.group.WORLD:",
+        "ProcessGroup defines no __eq__: != compares identity, as is not does",
+    ),
 )
