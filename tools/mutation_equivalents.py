@@ -179,4 +179,9 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "=> if not dist.is_initialized() or group is not dist.group.WORLD:",
         "ProcessGroup defines no __eq__: != compares identity, as is not does",
     ),
+    Equivalent(
+        "overlapddp/delayed_reduction.py",
+        "FENCE_KEY = -2 => FENCE_KEY = ~2",
+        "~2 is -3: like -2 it is neither a bucket's index (0, 1, ...) nor the backward-end marker (-1)",
+    ),
 )
