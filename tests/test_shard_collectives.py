@@ -60,3 +60,14 @@ def test_gloo_all_reduces_the_bucket_and_broadcasts_each_shard(one_rank: None) -
     assert isinstance(waitable, Broadcasts)
     waitable.wait()
     assert torch.equal(gathered, torch.full((4,), 5.0))
+
+
+def test_gloo_is_told_apart_by_value_not_identity(one_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend name reaches these functions from the process group, not as this literal."""
+    started: list[str] = []
+    all_reduce = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: started.append("all_reduce") or all_reduce(*a, **k))
+    gloo = "".join(["gl", "oo"])
+    reduce_to_shard(torch.ones(2), 0, dist.group.WORLD, gloo).wait()  # type: ignore[arg-type]
+    assert isinstance(gather_shards(torch.zeros(2), torch.ones(2), dist.group.WORLD, gloo), Broadcasts)  # type: ignore[arg-type]
+    assert started == ["all_reduce"]

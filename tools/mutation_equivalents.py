@@ -184,4 +184,20 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "FENCE_KEY = -2 => FENCE_KEY = ~2",
         "~2 is -3: like -2 it is neither a bucket's index (0, 1, ...) nor the backward-end marker (-1)",
     ),
+    Equivalent(
+        "overlapddp/join.py",
+        "chosen = torch.tensor([rank if candidate else -1], device=model.device) "
+        "=> chosen = torch.tensor([rank if candidate else ~1], device=model.device)",
+        "~1 is -2: like -1 it is below every rank, so a MAX picks a candidate and all-negative still means none",
+    ),
+    Equivalent(
+        "overlapddp/shard_collectives.py",
+        'if backend == "gloo": => if backend <= "gloo":',
+        "the backend is one of SHARDED_BACKENDS (refused otherwise when the optimizer is sharded): 'nccl' > 'gloo'",
+    ),
+    Equivalent(
+        "overlapddp/shard_collectives.py",
+        'if backend != "gloo": => if backend > "gloo":',
+        "the backend is one of SHARDED_BACKENDS (refused otherwise when the optimizer is sharded): 'nccl' > 'gloo'",
+    ),
 )

@@ -91,7 +91,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "overlapddp/fence.py": ("tests/test_cuda_logic.py", "tests/test_race.py", "tests/test_streams.py"),
     "overlapddp/pickling.py": ("tests/test_copy_recipe.py", "tests/test_pickling.py", "tests/test_copies.py"),
     "overlapddp/delayed_reduction.py": ("tests/test_delayed_unit.py", "tests/test_delayed.py"),
-    "overlapddp/join.py": ("tests/test_join.py",),
+    "overlapddp/join.py": ("tests/test_join_unit.py", "tests/test_join.py"),
     "overlapddp/gradient_checks.py": ("tests/test_errors.py", "tests/test_guard.py", "tests/test_copies.py"),
     "overlapddp/backend_support.py": ("tests/test_cuda_logic.py", "tests/test_errors.py", "tests/test_sparse.py"),
     "overlapddp/bucket_unscaler.py": ("tests/test_bucket_unscaler.py", "tests/test_optimizer_overlap.py", "tests/test_streams.py"),
