@@ -200,4 +200,9 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         'if backend != "gloo": => if backend > "gloo":',
         "the backend is one of SHARDED_BACKENDS (refused otherwise when the optimizer is sharded): 'nccl' > 'gloo'",
     ),
+    Equivalent(
+        "overlapddp/join.py",
+        "return bool(flag.item() != 0) => return bool(flag.item() > 0)",
+        "the flag is a SUM of 0.0 and 1.0 over the ranks: never negative, so != 0 and > 0 agree",
+    ),
 )
