@@ -205,4 +205,14 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "return bool(flag.item() != 0) => return bool(flag.item() > 0)",
         "the flag is a SUM of 0.0 and 1.0 over the ranks: never negative, so != 0 and > 0 agree",
     ),
+    Equivalent(
+        "overlapddp/delayed_reduction.py",
+        "FENCE_KEY = -2 => FENCE_KEY = - 3",
+        "-3, like -2, is neither a bucket's index (0, 1, ...) nor the backward-end marker (-1)",
+    ),
+    Equivalent(
+        "overlapddp/delayed_reduction.py",
+        "if len(kinds) > 1: => if len(kinds) != 1:",
+        "its only caller (construction.py) returns before it for an empty list, so there is always a kind",
+    ),
 )
