@@ -215,4 +215,16 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "if len(kinds) > 1: => if len(kinds) != 1:",
         "its only caller (construction.py) returns before it for an empty list, so there is always a kind",
     ),
+    Equivalent(
+        "overlapddp/join.py",
+        "chosen = torch.tensor([rank if candidate else -1], device=model.device) "
+        "=> chosen = torch.tensor([rank if candidate else - 2], device=model.device)",
+        "-2, like -1, is below every rank, so a MAX picks a candidate and all-negative still means none",
+    ),
+    Equivalent(
+        "overlapddp/join.py",
+        "flag = torch.tensor([1.0 if will_sync else 0.0], device=model.device) "
+        "=> flag = torch.tensor([ 2.0 if will_sync else 0.0], device=model.device)",
+        "only whether the SUM is 0 is read: a sum of 2.0s is 0 exactly when a sum of 1.0s is",
+    ),
 )
