@@ -227,4 +227,20 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "=> flag = torch.tensor([ 2.0 if will_sync else 0.0], device=model.device)",
         "only whether the SUM is 0 is read: a sum of 2.0s is 0 exactly when a sum of 1.0s is",
     ),
+    Equivalent(
+        "overlapddp/shard_relayout.py",
+        "moved[param][key] = gathered.narrow(0, start, new.length).clone() "
+        "=> moved[param][key] = gathered.narrow( -1, start, new.length).clone()",
+        "gathered is one-dimensional: its last dimension is its first",
+    ),
+    Equivalent(
+        "overlapddp/token_weighting.py",
+        "total = float(self._on_host[0]) => total = float(self._on_host[ -1])",
+        "the host copy of the count holds one element",
+    ),
+    Equivalent(
+        "overlapddp/token_weighting.py",
+        "total = float(future.wait()[0].item()) => total = float(future.wait()[ -1].item())",
+        "an all_reduce of one tensor completes its future with a list of exactly that tensor",
+    ),
 )

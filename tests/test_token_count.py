@@ -1,0 +1,38 @@
+"""The token count on one process (a one-rank group): what ``count_tokens`` accepts, which devices
+get the CUDA path, and that path's read of the reduced count (through the recording kit)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from overlapddp.device_streams import CudaKit
+from overlapddp.token_weighting import TokenCount
+from tests.fake_cuda import RecordingKit
+
+
+def test_counts_are_non_negative_ints() -> None:
+    count = TokenCount(torch.device("cpu"))
+    count.add(0)  # a micro-batch without tokens (all padding) is allowed
+    count.add(5)
+    assert count.local == 5
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ValueError, match="count_tokens expects a non-negative int"):
+            count.add(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta", "mps"])
+def test_only_cuda_devices_get_the_cuda_kit(device: str) -> None:
+    assert TokenCount(torch.device(device))._kit is None
+    assert isinstance(TokenCount(torch.device("cuda", 0))._kit, CudaKit)
+
+
+def test_the_cuda_path_reads_the_count_copied_to_the_host(one_rank: None) -> None:
+    kit = RecordingKit()
+    count = TokenCount(torch.device("cpu"), kit=kit)  # type: ignore[arg-type]
+    count.add(7)
+    count.launch(dist.group.WORLD)  # type: ignore[arg-type]
+    assert count.local == 0
+    assert count.total(rank=0) == 7.0
+    assert ("wait_future", "side1", "collective") in kit.calls
