@@ -11,13 +11,14 @@ from overlapddp.shard_relayout import HeldShard, moved_state
 
 
 def test_state_moves_to_the_new_layout_with_its_plain_values(one_rank: None) -> None:
-    old = plan_bucket(0, [0, 1], [2, 3], world_size=1, rank=0)  # parameter 0 then 1
+    # Parameter 2 comes first and has no state (never stepped), then parameters 0 and 1.
+    old = plan_bucket(0, [2, 0, 1], [1, 2, 3], world_size=1, rank=0)
     entries = [
-        (old.pieces[0], {"exp_avg": torch.tensor([1.0, 2.0]), "step": torch.tensor(4.0), "seen": 3}),
-        (old.pieces[1], {"exp_avg": torch.tensor([5.0, 6.0, 7.0]), "step": torch.tensor(4.0), "seen": 3}),
+        (old.pieces[1], {"exp_avg": torch.tensor([1.0, 2.0]), "step": torch.tensor(4.0), "seen": 3}),
+        (old.pieces[2], {"exp_avg": torch.tensor([5.0, 6.0, 7.0]), "step": torch.tensor(4.0), "seen": 3}),
     ]
-    new = plan_bucket(0, [1, 0], [3, 2], world_size=1, rank=0)  # the rebuilt order: parameter 1 first
-    moved = moved_state([HeldShard(old, [0, 1], entries)], list(new.pieces), frozenset({"exp_avg"}),
+    new = plan_bucket(0, [1, 0, 2], [3, 2, 1], world_size=1, rank=0)  # the rebuilt order
+    moved = moved_state([HeldShard(old, [2, 0, 1], entries)], list(new.pieces), frozenset({"exp_avg"}),
                         torch.device("cpu"), dist.group.WORLD, "gloo")  # type: ignore[arg-type]
     assert sorted(moved) == [0, 1]
     assert torch.equal(moved[0]["exp_avg"], torch.tensor([1.0, 2.0]))

@@ -243,4 +243,9 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "total = float(future.wait()[0].item()) => total = float(future.wait()[ -1].item())",
         "an all_reduce of one tensor completes its future with a list of exactly that tensor",
     ),
+    Equivalent(
+        "overlapddp/shard_relayout.py",
+        "@dataclass(frozen=True) => @dataclass(frozen=False)",
+        "a HeldShard is built once per relayout and only read: never assigned to or hashed",
+    ),
 )
