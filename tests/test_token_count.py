@@ -35,4 +35,8 @@ def test_the_cuda_path_reads_the_count_copied_to_the_host(one_rank: None) -> Non
     count.launch(dist.group.WORLD)  # type: ignore[arg-type]
     assert count.local == 0
     assert count.total(rank=0) == 7.0
-    assert ("wait_future", "side1", "collective") in kit.calls
+    count.add(2)
+    count.launch(dist.group.WORLD)  # type: ignore[arg-type]
+    assert count.total(rank=0) == 2.0
+    assert [c for c in kit.calls if c[0] == "wait_future"] == [("wait_future", "side1", "collective")] * 2, (
+        "both counts reduced on the one side stream made at the first launch")
