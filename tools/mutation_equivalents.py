@@ -248,4 +248,10 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "@dataclass(frozen=True) => @dataclass(frozen=False)",
         "a HeldShard is built once per relayout and only read: never assigned to or hashed",
     ),
+    Equivalent(
+        "overlapddp/shard_relayout.py",
+        "shard.narrow(0, piece.shard_offset, piece.length).copy_(cast(torch.Tensor, entry[key])) "
+        "=> shard.narrow( -1, piece.shard_offset, piece.length).copy_(cast(torch.Tensor, entry[key]))",
+        "the shard is one-dimensional: its last dimension is its first",
+    ),
 )
