@@ -254,4 +254,10 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "=> shard.narrow( -1, piece.shard_offset, piece.length).copy_(cast(torch.Tensor, entry[key]))",
         "the shard is one-dimensional: its last dimension is its first",
     ),
+    Equivalent(
+        "overlapddp/token_weighting.py",
+        'reduced = self._kit.wait_future(future, "collective")[0] '
+        '=> reduced = self._kit.wait_future(future, "collective")[ -1]',
+        "an all_reduce of one tensor completes its future with a list of exactly that tensor",
+    ),
 )
