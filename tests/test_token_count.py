@@ -40,10 +40,15 @@ def test_the_cuda_path_reads_the_count_copied_to_the_host(one_rank: None) -> Non
     assert count.total(rank=0) == 2.0
     assert [c for c in kit.calls if c[0] == "wait_future"] == [("wait_future", "side1", "collective")] * 2, (
         "both counts reduced on the one side stream made at the first launch")
+    with pytest.raises(RuntimeError, match="The token count was not launched for this backward"):
+        count.total(rank=0)  # each launch is read once
 
 
 def test_a_backward_with_no_token_on_any_rank_is_refused(one_rank: None) -> None:
     count = TokenCount(torch.device("cpu"))
+    count.add(1)
+    count.launch(dist.group.WORLD)  # type: ignore[arg-type]
+    assert count.total(rank=0) == 1.0, "one token is a count"
     count.add(0)
     count.launch(dist.group.WORLD)  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="no rank counted any tokens for this backward"):

@@ -260,4 +260,15 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         '=> reduced = self._kit.wait_future(future, "collective")[ -1]',
         "an all_reduce of one tensor completes its future with a list of exactly that tensor",
     ),
+    Equivalent(
+        "overlapddp/token_weighting.py",
+        "self._on_host = torch.empty(1, dtype=torch.float64, pin_memory=reduced.is_cuda) "
+        "=> self._on_host = torch.empty( 2, dtype=torch.float64, pin_memory=reduced.is_cuda)",
+        "the one-element count is copied into a two-element buffer by broadcasting, and only element 0 is read",
+    ),
+    Equivalent(
+        "overlapddp/token_weighting.py",
+        "if total <= 0: => if total == 0:",
+        "the total is a SUM of counts add() keeps non-negative: never below 0",
+    ),
 )
