@@ -20,10 +20,12 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import sys
 import tempfile
+import traceback
 
 # What the server imports once. Not overlapddp, nor tests/: those must come from disk per run.
 WARM_MODULES = (
@@ -37,7 +39,7 @@ WARM_MODULES = (
 )
 
 
-def _start_rank_server() -> None:
+def _start_rank_server() -> str:
     """Fork this run's ``multiprocessing`` fork server from this warm, single-threaded process.
 
     The standard one starts a fresh interpreter (a cold torch import) and, reached from a forked
@@ -48,23 +50,27 @@ def _start_rank_server() -> None:
     address = connection.arbitrary_address("AF_UNIX")
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(address)
+    os.chmod(address, 0o600)
     listener.listen()
     alive_r, alive_w = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(alive_w)
-        forkserver.main(listener.fileno(), alive_r, [])  # serves forks until every client is gone
-        os._exit(0)
+        try:
+            forkserver.main(listener.fileno(), alive_r, [])  # serves forks until every client is gone
+        finally:  # it ends with SystemExit: leave without running the pytest child's handlers
+            os._exit(0)
     listener.close()
     os.close(alive_r)
     server = forkserver._forkserver  # type: ignore[attr-defined]
     server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
     util.debug("warm fork server %s", pid)
+    return address
 
 
 def _run_child(request: dict, output_path: str) -> None:
     """In the forked child: run pytest as asked, output to ``output_path``; never returns."""
-    os.setsid()  # one process group: this child, its fork server and every rank
+    os.setpgid(0, 0)  # one process group: this child, its fork server and every rank (the parent sets it too)
     with open(output_path, "w") as output:
         os.dup2(output.fileno(), 1)
         os.dup2(output.fileno(), 2)
@@ -73,13 +79,17 @@ def _run_child(request: dict, output_path: str) -> None:
     os.environ.update(request["env"])
     sys.path[:0] = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.argv = ["pytest", *request["args"]]
-    code = 3
+    code, address = 3, None
     try:
-        _start_rank_server()
+        address = _start_rank_server()
         import pytest
 
         code = int(pytest.main(request["args"]))
+    except BaseException:
+        traceback.print_exc()  # status 3 with the reason: never a silent "killed"
     finally:
+        if address is not None:  # multiprocessing's own cleanup runs at exit, which os._exit skips
+            shutil.rmtree(os.path.dirname(address), ignore_errors=True)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -93,18 +103,19 @@ def _serve_one(connection: socket.socket) -> None:
     if pid == 0:
         connection.close()
         _run_child(request, output_path)
+    try:
+        os.setpgid(pid, pid)  # here too, so the group exists before the child gets to it
+    except OSError:
+        pass  # the child already made it (or has exited)
     status = None
     while status is None:
         readable, _, _ = select.select([connection], [], [], 0.2)
         if readable and not connection.recv(1, socket.MSG_PEEK):  # the client went away: end the run
-            os.killpg(pid, signal.SIGKILL)
+            _kill_group(pid)
         done, raw = os.waitpid(pid, os.WNOHANG)
         if done:
             status = os.waitstatus_to_exitcode(raw)
-    try:
-        os.killpg(pid, signal.SIGKILL)  # whatever the run left behind (ranks of a failed spawn)
-    except ProcessLookupError:
-        pass
+    _kill_group(pid)  # whatever the run left behind (ranks of a failed run)
     with open(output_path) as output:
         text = output.read()
     os.unlink(output_path)
@@ -112,6 +123,13 @@ def _serve_one(connection: socket.socket) -> None:
         connection.sendall((json.dumps({"status": status, "output": text}) + "\n").encode())
     except OSError:
         pass  # the client is gone
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def serve(path: str) -> None:
@@ -127,7 +145,10 @@ def serve(path: str) -> None:
     while True:
         connection, _ = listener.accept()
         with connection:
-            _serve_one(connection)
+            try:
+                _serve_one(connection)
+            except Exception:  # one broken request (a client gone mid-line) must not end the server
+                traceback.print_exc()
 
 
 def run(path: str, args: list[str]) -> int:
