@@ -31,9 +31,9 @@ from overlapddp.reducer import Reducer
 from overlapddp.sync_checks import SyncFlagCheck
 
 # Where the frames of a copy or a load live that are not the user's: this package, the standard
-# library (copy, pickle's helpers) and torch (torch.load). The standard library's folder usually
-# holds site-packages too, so a framework that copies the model is passed over as well, and the
-# warning points at the script that called it.
+# library (copy, pickle's helpers) and torch (torch.load). Where site-packages lies inside the
+# standard library's folder (no virtual environment), a framework that copies the model is passed
+# over too, and the warning points at the script that called it.
 _MACHINERY = tuple(
     os.path.dirname(path) + os.sep
     for path in (__file__, os.path.join(sysconfig.get_paths()["stdlib"], "x"), torch.__file__)
