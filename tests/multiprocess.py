@@ -1,4 +1,4 @@
-"""Running one function on N real ranks: spawned processes, gloo on 127.0.0.1, no fixed port.
+"""Running one function on N real ranks: processes from a warm fork server, gloo on 127.0.0.1, no fixed port.
 
 The parent owns a TCPStore on port 0 (the OS picks a free port) and hands its port to the ranks,
 so concurrent runs never collide. Each rank uses one intra-op thread.
@@ -102,7 +102,9 @@ def _rank_context() -> Any:
 
     Spawning imports them again in every rank (about 8 s of CPU each, most of a short test's cost);
     forking from the test process itself is unsafe (its TCPStore and gloo threads). The server
-    starts at the first run of this process, so it imports the package as it is on disk then.
+    starts at the first run of this process, so it imports the package as it is on disk then, and
+    what torch reads from the environment at import time is read then too (each rank gets the
+    test's environment at its start, for everything read later).
     """
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(["torch", "torch.distributed", "overlapddp"])
