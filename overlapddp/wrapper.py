@@ -319,6 +319,7 @@ class OverlapDDP(nn.Module, Joinable):
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Reduce each bucket with ``hook(state, bucket)``; the stock DDP hooks run unmodified."""
         check_comm_hook(hook, self.process_group)
+        self._refuse_hook_beside_mixed_precision()
         if isinstance(state, PowerSGDState) and self._sparse_names:
             raise ValueError(
                 f"PowerSGD compresses flat dense buckets, but {', '.join(self._sparse_names)} produce sparse "
@@ -341,7 +342,17 @@ class OverlapDDP(nn.Module, Joinable):
     def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
         """DDP's built-in ALLREDUCE and FP16_COMPRESS hooks, with their arithmetic."""
         hook = builtin_hook(comm_hook_type)
+        self._refuse_hook_beside_mixed_precision()
         self._reducer.set_comm_hook(self.process_group, hook)
+
+    def _refuse_hook_beside_mixed_precision(self) -> None:
+        """DDP's error (a second hook), saying which hook came first: the user never registered one."""
+        if self._mixed_precision is not None:
+            raise RuntimeError(
+                "register_comm_hook or register_builtin_comm_hook can only be called once: mixed_precision registered "
+                "its reduction as the comm hook (cast to reduce_dtype, sum, division by the world size), as stock "
+                "DDP does; reduce without mixed_precision to use a hook of your own."
+            )
 
     # -- the optimizer and the fences ----------------------------------------------------------
 

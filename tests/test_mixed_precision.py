@@ -16,12 +16,12 @@ from typing import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel.distributed import _MixedPrecision
 
 from overlapddp import OverlapDDP, mixed_precision
 from tests.multiprocess import run_ranks
+from tests.precision_reference import HandWrittenCasts
 
 STEPS = 4
 
@@ -72,48 +72,6 @@ def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(output.float(), target)
 
 
-class HandWritten:
-    """The reference: DDP's mixed-precision casts, spelled out."""
-
-    def __init__(self, config: _MixedPrecision, net: str = "net") -> None:
-        self.net = NETS[net]()
-        self.config = config
-        self.reduce_dtype = config.reduce_dtype or config.param_dtype
-        for buffer in self.net.buffers():
-            buffer.data = buffer.to(config.buffer_dtype)
-
-    def forward_backward(self, inputs: tuple[torch.Tensor, ...], y: torch.Tensor, sync_buffers: bool) -> None:
-        """``sync_buffers``: DDP broadcasts buffers unless the previous forward ran under no_sync."""
-        for buffer in self.net.buffers() if sync_buffers else ():
-            dist.broadcast(buffer, 0)
-        for p in self.net.parameters():
-            if not hasattr(p, "full"):
-                p.full = p.data
-            if p.grad is not None:
-                p.grad.data = p.grad.to(self.config.param_dtype)
-            p.data = p.full.to(self.config.param_dtype)
-        cast = [x.to(self.config.param_dtype) if x.is_floating_point() else x for x in inputs]
-        _loss(self.net(*cast), y).backward()
-
-    def reduce(self, layout: list[list[int]]) -> None:
-        trainable = [p for p in self.net.parameters() if p.requires_grad]
-        reduced = {}
-        for bucket in layout:
-            params = [trainable[i] for i in bucket]
-            flat = torch.cat([p.grad.reshape(-1) for p in params]).to(self.reduce_dtype)
-            dist.all_reduce(flat)
-            flat.div_(dist.get_world_size())
-            offset = 0
-            for p in params:
-                reduced[p] = flat[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
-        for p in self.net.parameters():
-            p.data = p.full
-            del p.full
-            if p in reduced:
-                p.grad = reduced[p].to(p.dtype)
-
-
 def _differences(reference: nn.Module, candidate: nn.Module) -> list[str]:
     found = [f"{n}.grad" for (n, p), (_, q) in zip(reference.named_parameters(), candidate.named_parameters(), strict=False)
              if (p.grad is None) != (q.grad is None) or (p.grad is not None and not torch.equal(p.grad, q.grad))]
@@ -151,7 +109,7 @@ def _scenario(rank: int, name: str) -> dict[str, object]:
     config, options = CONFIGS[name]
     accumulate, set_to_none = options.get("accumulate", 1), options.get("set_to_none", True)
     net = options.get("net", "net")
-    reference = HandWritten(config, net)
+    reference = HandWrittenCasts(NETS[net](), config)
     with (options["fault"] if "fault" in options else nullcontext)():
         candidate = OverlapDDP(NETS[net](), mixed_precision=config)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (reference.net, candidate.module)]
@@ -162,7 +120,7 @@ def _scenario(rank: int, name: str) -> dict[str, object]:
             x, y = _batch(rank, step * accumulate + micro, net)
             with candidate.no_sync() if micro < accumulate - 1 else nullcontext():
                 _loss(candidate(*x), y).backward()
-            reference.forward_backward(x, y, sync_buffers=micro == 0)
+            reference.forward_backward(x, y, _loss, sync_buffers=micro == 0)
         reference.reduce(candidate.bucket_indices())
         differences = _differences(reference.net, candidate.module)
         dtypes |= {str(p.dtype) for p in candidate.parameters()} | {str(p.grad.dtype) for p in candidate.parameters() if p.grad is not None}

@@ -50,7 +50,7 @@ def test_every_row_is_bit_equal_to_stock_ddp_every_step(world_size):
     per_rank = run_ranks(world_size, option_pairs.run_rows, chosen, timeout_s=SLOW_TIMEOUT_S)
     for rank, results in enumerate(per_rank):
         assert len(results) == len(chosen)
-        bad = {name: found for name, found in results.items() if found != {"ddp_error": None, "ours_error": None,
+        bad = {name: found for name, found in results.items() if found != {"reference_error": None, "ours_error": None,
                                                                             "difference": None}}
         assert not bad, f"rank {rank}: {bad}"
 
@@ -68,5 +68,5 @@ def test_collectives_started_between_a_hooks_callbacks_keep_one_order_on_every_r
     rows = [dict(base, world_size=3, hook="powerSGD/sync", delay_all_reduce=True),
             dict(base, world_size=3, hook="powerSGD/sync", find_unused_parameters=True)]
     for rank, results in enumerate(run_ranks(3, option_pairs.run_rows, [row for row in rows for _ in range(RACE_REPEATS)])):
-        assert results == {option_pairs.name(row): {"ddp_error": None, "ours_error": None, "difference": None}
+        assert results == {option_pairs.name(row): {"reference_error": None, "ours_error": None, "difference": None}
                            for row in rows}, f"rank {rank}: {results}"
