@@ -271,4 +271,114 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "if total <= 0: => if total == 0:",
         "the total is a SUM of counts add() keeps non-negative: never below 0",
     ),
+    Equivalent(
+        'overlapddp/timeline.py',
+        'if edge.edge != BACKWARD_END: => if edge.edge > BACKWARD_END:',
+        "the fence's bucket edges (produced, launched, completed, consumed) all sort after 'backward end', so the order comparison agrees with inequality on every edge a log can hold",
+    ),
+    Equivalent(
+        'overlapddp/timeline.py',
+        'if edge.edge != BACKWARD_END: => if edge.edge is not BACKWARD_END:',
+        "edge names are the fence's string constants, which CPython interns: identity and equality agree on them",
+    ),
+    Equivalent(
+        'overlapddp/timeline.py',
+        'ends = {e.iteration: e.time for e in log.edges if e.edge == BACKWARD_END} => ends = {e.iteration: e.time for e in log.edges if e.edge is BACKWARD_END}',
+        "edge names are the fence's string constants, which CPython interns: identity and equality agree on them",
+    ),
+    Equivalent(
+        'overlapddp/timeline.py',
+        'ends = {e.iteration: e.time for e in log.edges if e.edge == BACKWARD_END} => ends = {e.iteration: e.time for e in log.edges if e.edge <= BACKWARD_END}',
+        "the fence's bucket edges (produced, launched, completed, consumed) all sort after 'backward end', so the order comparison agrees with inequality on every edge a log can hold",
+    ),
+    Equivalent(
+        'overlapddp/timeline.py',
+        'if e.edge == BACKWARD_END: => if e.edge is BACKWARD_END:',
+        "edge names are the fence's string constants, which CPython interns: identity and equality agree on them",
+    ),
+    Equivalent(
+        'overlapddp/timeline.py',
+        'if e.edge == BACKWARD_END: => if e.edge <= BACKWARD_END:',
+        "the fence's bucket edges (produced, launched, completed, consumed) all sort after 'backward end', so the order comparison agrees with inequality on every edge a log can hold",
+    ),
+    Equivalent(
+        'overlapddp/gradient_checks.py',
+        '(i, p.grad, p.grad._version) for i, p in zip(members, params, strict=True) if p.grad is not None => (i, p.grad, p.grad._version) for i, p in zip(members, params, strict=False) if p.grad is not None',
+        'the two sequences come from one bucket (members and their parameters, or the entries and the flags stacked from them): their lengths are equal by construction, so strict never fires',
+    ),
+    Equivalent(
+        'overlapddp/gradient_checks.py',
+        'present = [(i, p.grad) for i, p in zip(members, params, strict=True) if p.grad is not None] => present = [(i, p.grad) for i, p in zip(members, params, strict=False) if p.grad is not None]',
+        'the two sequences come from one bucket (members and their parameters, or the entries and the flags stacked from them): their lengths are equal by construction, so strict never fires',
+    ),
+    Equivalent(
+        'overlapddp/gradient_checks.py',
+        'bad = [names[i] for (i, _), flag in zip(present, flags.tolist(), strict=True) if flag] => bad = [names[i] for (i, _), flag in zip(present, flags.tolist(), strict=False) if flag]',
+        'the two sequences come from one bucket (members and their parameters, or the entries and the flags stacked from them): their lengths are equal by construction, so strict never fires',
+    ),
+    Equivalent(
+        'overlapddp/gradient_checks.py',
+        'if self._params[i].grad is not grad or grad._version != version] => if self._params[i].grad is not grad or grad._version > version]',
+        "a tensor's version counter only grows, so a changed version is always a larger one",
+    ),
+    Equivalent(
+        'overlapddp/gradient_checks.py',
+        'torch.zeros(0, dtype=torch.bool, device=device) => torch.zeros( 1, dtype=torch.bool, device=device)',
+        'with no gradient present the flags are summed: one False flag sums to 0 like none',
+    ),
+    Equivalent(
+        'overlapddp/gradient_checks.py',
+        'if count.item() == 0: => if count.item() <= 0:',
+        'the count is a sum of 0/1 flags over ranks: never below 0',
+    ),
+    Equivalent(
+        'overlapddp/param_usage.py',
+        'return list(tree.values()), lambda values: type(tree)(zip(keys, values, strict=True)) => return list(tree.values()), lambda values: type(tree)(zip(keys, values, strict=False))',
+        "keys and values are the same mapping's, in one order: equal lengths, so strict never fires",
+    ),
+    Equivalent(
+        'overlapddp/param_usage.py',
+        'changed = {f.name: v for f, v in zip(fields, values, strict=True) if f.init} => changed = {f.name: v for f, v in zip(fields, values, strict=False) if f.init}',
+        "the values are the dataclass's own fields, mapped one to one: equal lengths, so strict never fires",
+    ),
+    Equivalent(
+        'overlapddp/param_usage.py',
+        'if all(new is old for new, old in zip(mapped, items, strict=True)): => if all(new is old for new, old in zip(mapped, items, strict=False)):',
+        'mapped is built from items one to one: equal lengths, so strict never fires',
+    ),
+    Equivalent(
+        'overlapddp/param_usage.py',
+        'return [cast(Any, p.view_as(p).grad_fn).next_functions[0][0] for p in params] => return [cast(Any, p.view_as(p).grad_fn).next_functions[ -1][0] for p in params]',
+        "a view_as node has exactly one next function (its input's accumulator): the first is the last",
+    ),
+    Equivalent(
+        'overlapddp/param_usage.py',
+        'hidden = hidden or getattr(node, "_forward_cls", None) is CheckpointFunction => hidden = hidden or getattr(node, "_forward_cls", None) == CheckpointFunction',
+        'classes compare by identity: == and is agree on CheckpointFunction',
+    ),
+    Equivalent(
+        'overlapddp/param_usage.py',
+        'self._flags[index] = 1 => self._flags[index] = 2',
+        'the flags are only ever tested for nonzero, locally and summed over ranks: a sum of 2s is nonzero exactly when a sum of 1s is',
+    ),
+    Equivalent(
+        'overlapddp/param_usage.py',
+        'self._global = self._reduction.wait()[0].tolist() => self._global = self._reduction.wait()[ -1].tolist()',
+        'an all_reduce of one tensor completes its future with a list of exactly that tensor',
+    ),
+    Equivalent(
+        'overlapddp/shard_checks.py',
+        'odd = [name for p, name in zip(request.params, request.names, strict=True) if not is_dense_permutation(p)] => odd = [name for p, name in zip(request.params, request.names, strict=False) if not is_dense_permutation(p)]',
+        "params and names are one request's, built together: equal lengths, so strict never fires",
+    ),
+    Equivalent(
+        "overlapddp/timeline.py",
+        "start = min((e.time for e in log.edges), default=0.0) => start = min((e.time for e in log.edges), default= 1.0)",
+        "the default is the start of an empty log, which has no events to place",
+    ),
+    Equivalent(
+        "overlapddp/timeline.py",
+        "start = min((e.time for e in log.edges), default=0.0) => start = min((e.time for e in log.edges), default= -1.0)",
+        "the default is the start of an empty log, which has no events to place",
+    ),
 )
