@@ -381,4 +381,15 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "start = min((e.time for e in log.edges), default=0.0) => start = min((e.time for e in log.edges), default= -1.0)",
         "the default is the start of an empty log, which has no events to place",
     ),
+    Equivalent(
+        "overlapddp/backend_support.py",
+        'if backend == "nccl" and _async_error_handling() == "2": => if backend is "nccl" and _async_error_handling() == "2":',  # noqa: E501 (the line as cosmic-ray changes it)
+        "dist.Backend returns its class constant for a known backend, the interned literal itself, and str() of it "
+        "is that object: a process group's 'nccl' is the literal",
+    ),
+    Equivalent(
+        "overlapddp/backend_support.py",
+        'if backend == "nccl" and _async_error_handling() == "2": => if backend == "nccl" and _async_error_handling() is "2":',  # noqa: E501 (the line as cosmic-ray changes it)
+        "CPython keeps one object per one-character string: the environment's '2', stripped, is the literal",
+    ),
 )
