@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlapddp import backend_support
+from overlapddp import backend_support, gradient_checks
 from overlapddp.gradient_checks import GradientWriteWatch, nonfinite_error
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -16,7 +16,7 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 @pytest.fixture
 def backend_named(monkeypatch):
-    """Make the process group report ``name``: a new ``str``, as torch returns it (never a literal)."""
+    """Make the process group report ``name`` as torch does (``dist.Backend``: its constant for a known name)."""
     def use(name: str) -> None:
         monkeypatch.setattr(backend_support.dist, "get_backend", lambda group: dist.Backend("".join(name)))
     return use
@@ -37,6 +37,13 @@ def test_backend_for_a_device(backend_named, name, device, expected):
 def test_nccl_with_async_error_handling_2_is_refused(backend_named, monkeypatch):
     backend_named("nccl")
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "".join("2"))
+    with pytest.raises(ValueError, match="TORCH_NCCL_ASYNC_ERROR_HANDLING=2"):
+        backend_support.refuse_unsupported(None, CUDA, [])
+
+
+def test_nccl_of_a_mixed_group_with_async_error_handling_2_is_refused(backend_named, monkeypatch):
+    backend_named("cpu:gloo,cuda:nccl")  # torch's default group on a CUDA machine: the name is split, not a literal
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     with pytest.raises(ValueError, match="TORCH_NCCL_ASYNC_ERROR_HANDLING=2"):
         backend_support.refuse_unsupported(None, CUDA, [])
 
@@ -81,3 +88,11 @@ def test_a_non_finite_gradient_is_named(one_rank):
     params = _params(torch.tensor([1.0, float("nan")]), None, torch.ones(2))
     error = nonfinite_error(2, [0, 1, 2], params, ["a", "b", "c"], CPU, dist.group.WORLD)
     assert error is not None and "in bucket 2" in str(error) and "rank 0: a" in str(error) and ", c" not in str(error)
+
+
+def test_a_rank_without_gradients_in_the_bucket_names_the_rank_that_has_a_non_finite_one(one_rank, monkeypatch):
+    """Another rank's NaN as this rank sees it: the summed count is 1, and the gathered names are theirs."""
+    monkeypatch.setattr(gradient_checks.dist, "all_reduce", lambda count, group=None: count.add_(1))
+    monkeypatch.setattr(gradient_checks, "gather_objects", lambda bad, group, device: [bad, ["w"]])
+    error = nonfinite_error(1, [0], _params(None), ["a"], CPU, dist.group.WORLD)
+    assert error is not None and "rank 1: w" in str(error) and "rank 0" not in str(error)

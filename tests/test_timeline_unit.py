@@ -14,7 +14,9 @@ from overlapddp.timeline import BucketSpan, IterationSummary, bucket_spans, chro
 
 
 def _edge(iteration: int, bucket: int, edge: str, time: float) -> FenceEdge:
-    return FenceEdge(iteration, bucket, edge, actor="test", stream="cpu", event=None, buffer=bucket, time=time)
+    """The edge name as an equal but new string (as an unpickled log holds it), not the fence's object."""
+    name = "".join(list(edge))
+    return FenceEdge(iteration, bucket, name, actor="test", stream="cpu", event=None, buffer=bucket, time=time)
 
 
 def _log() -> FenceLog:
@@ -23,14 +25,14 @@ def _log() -> FenceLog:
     Iteration 3: ended, but no bucket completed. Iteration 4: one bucket, 0.5 s exposed. Bucket 0's second ``completed`` is not its first."""
     edges = [
         _edge(0, 1, "produced", 10.0), _edge(0, 1, "launched", 10.5), _edge(0, 0, "produced", 11.0),
-        _edge(0, 0, "launched", 11.25), _edge(0, 1, "completed", 11.5), _edge(0, 0, BACKWARD_END, 12.0),
+        _edge(0, 0, "launched", 11.25), _edge(0, 1, "completed", 11.5), _edge(0, -1, BACKWARD_END, 12.0),
         _edge(0, 0, "completed", 12.25), _edge(0, 0, "completed", 13.0), _edge(0, 1, "consumed", 12.5),
         _edge(0, 0, "consumed", 12.5),
         _edge(1, 0, "produced", 20.0), _edge(1, 0, "launched", 20.5), _edge(1, 0, "completed", 21.0),
-        _edge(1, 1, "produced", 21.5), _edge(1, 1, "launched", 21.75), _edge(1, 0, BACKWARD_END, 22.0),
+        _edge(1, 1, "produced", 21.5), _edge(1, 1, "launched", 21.75), _edge(1, -1, BACKWARD_END, 22.0),
         _edge(2, 0, "produced", 30.0), _edge(2, 0, "launched", 30.5), _edge(2, 0, "completed", 31.0),
-        _edge(3, 0, "produced", 40.0), _edge(3, 0, BACKWARD_END, 41.0),
-        _edge(4, 0, "produced", 50.0), _edge(4, 0, "launched", 50.5), _edge(4, 0, BACKWARD_END, 51.0),
+        _edge(3, 0, "produced", 40.0), _edge(3, -1, BACKWARD_END, 41.0),
+        _edge(4, 0, "produced", 50.0), _edge(4, 0, "launched", 50.5), _edge(4, -1, BACKWARD_END, 51.0),
         _edge(4, 0, "completed", 51.5),
     ]
     return FenceLog(edges)
