@@ -10,6 +10,9 @@ from overlapddp.bucket_plan import MIB, BucketCaps, BucketPlan, explicit_plan, r
 from overlapddp.tuning.clock import HostClock
 from overlapddp.tuning.selection import (
     FINAL_ITERATIONS,
+    FINALISTS,
+    MAX_CANDIDATES,
+    MAX_SELECTION_ITERATIONS,
     SCREENING_ITERATIONS,
     PlanSelection,
     candidate_layouts,
@@ -52,6 +55,31 @@ def test_candidates_are_the_model_plan_the_layout_in_force_and_ddps_fixed_caps_e
     got = candidate_layouts(None, rebuilt_plan(small, sparse[:5], BucketCaps.from_user(None, None), range(5)),
                             small, sparse[:5], range(5))
     assert [c.buckets for c in got] == [(tuple(range(5)),)]
+
+
+def test_a_model_past_25_mib_gets_ddps_default_layout_among_as_many_candidates_as_announced(one_rank):
+    params = _params(100, 0.3)  # 30 MiB: DDP's 25 MiB cap closes a bucket inside it
+    order = list(reversed(range(100)))
+    sparse = [False] * 100
+    ddp_default = rebuilt_plan(params, sparse, BucketCaps.from_user(None, None), order)
+    assert len(ddp_default.buckets) == 3  # 1 MiB, then 25 MiB, then the rest
+    model = explicit_plan(params, [order[:3], order[3:]])
+    in_force = rebuilt_plan(params, sparse, BucketCaps.from_user(2, None), order)
+    got = candidate_layouts(model, in_force, params, sparse, order)
+    assert got[2].buckets == ddp_default.buckets
+    assert len(got) == MAX_CANDIDATES  # every candidate differs here: the most there can be
+    # The most iterations a selection takes, as the tuner's budget counts them.
+    clock = FakeClock()
+    selection = PlanSelection(got, clock)
+    screen = {c: [1.0 + c] * SCREENING_ITERATIONS for c in range(len(got))}
+    final = {c: [1.0 + c] * FINAL_ITERATIONS for c in range(FINALISTS)}
+    ran = _drive(selection, clock, [screen, final])
+    assert len(ran) == MAX_SELECTION_ITERATIONS and selection.winner is got[0]
+
+
+def test_one_candidate_is_only_timed_in_the_final_phase():
+    selection = PlanSelection([BucketPlan(((0,),), (0,))], FakeClock())
+    assert selection.final_phase and selection.running == [0] and selection.iterations == FINAL_ITERATIONS
 
 
 def test_ranking_is_by_median_unless_told_and_the_earlier_of_equals_first():

@@ -347,6 +347,16 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         'an all_reduce of one tensor completes its future with a list of exactly that tensor',
     ),
     Equivalent(
+        "overlapddp/bucket_reduction.py",
+        "self._divide_by: float | None = 1 => self._divide_by: float | None = 0",
+        "never read: gradients are copied in only after a synchronized forward, whose arm() sets it first",
+    ),
+    Equivalent(
+        'overlapddp/shard_checks.py',
+        'missing = [name for p, name in zip(request.params, request.names, strict=True) if id(p) not in held] => missing = [name for p, name in zip(request.params, request.names, strict=False) if id(p) not in held]',
+        "params and names are the reducer's two lists of one length (wrapper._attach_sharded): strict never fires",
+    ),
+    Equivalent(
         'overlapddp/shard_checks.py',
         'odd = [name for p, name in zip(request.params, request.names, strict=True) if not is_dense_permutation(p)] => odd = [name for p, name in zip(request.params, request.names, strict=False) if not is_dense_permutation(p)]',
         "params and names are one request's, built together: equal lengths, so strict never fires",

@@ -13,6 +13,7 @@ change cannot alter behaviour are listed in tools/mutation_equivalents.py with t
     python3 tools/mutation_run.py overlapddp/options.py    # some modules
     python3 tools/mutation_run.py --list                   # modules, tests, mutant counts; nothing run
     python3 tools/mutation_run.py --survivors              # also print each survivor's diff
+    python3 tools/mutation_run.py --resume MODULE          # finish a stopped session of an unchanged module
 
 Sessions and the report (``report.md``) go to ``results/mutation/``. Exit status 1 when a
 non-equivalent mutant survived or a module's tests fail unmutated.
@@ -106,13 +107,20 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "overlapddp/torch_compat.py": ("tests/test_torch_compat.py", "tests/test_wrapper.py", "tests/test_cuda_logic.py", "tests/test_parity.py"),
     "overlapddp/param_usage.py": ("tests/test_usage_map.py", "tests/test_wrapper.py", "tests/test_loops.py", "tests/test_user_inputs.py"),
     "overlapddp/module_sync.py": ("tests/test_wrapper.py", "tests/test_join.py", "tests/test_parity.py"),
-    "overlapddp/bucket_reduction.py": ("tests/test_ready_order.py", "tests/test_comm_hooks.py", "tests/test_parity.py"),
+    "overlapddp/bucket_reduction.py": (
+        "tests/test_bucket_reduction_unit.py", "tests/test_ready_order.py", "tests/test_comm_hooks.py",
+        "tests/test_token_weighting.py", "tests/test_parity.py",
+    ),
     "overlapddp/bucket_pipeline.py": ("tests/test_ready_order.py", "tests/test_race.py", "tests/test_parity.py"),
     "overlapddp/bucket_storage.py": ("tests/test_ready_order.py", "tests/test_comm_hooks.py", "tests/test_parity.py"),
     "overlapddp/layout_lifecycle.py": ("tests/test_ready_order.py", "tests/test_loops.py", "tests/test_parity.py"),
     "overlapddp/construction.py": ("tests/test_errors.py", "tests/test_refusal_order.py", "tests/test_wrapper.py"),
     "overlapddp/testing.py": ("tests/test_race.py", "tests/test_timeline.py", "tests/test_reliability.py"),
     "overlapddp/integrations/torchft.py": ("tests/test_torchft.py",),
+    "overlapddp/integrations/accelerate.py": ("tests/test_integrations_unit.py", "tests/test_frameworks.py"),
+    "overlapddp/integrations/trainer_strategy.py": ("tests/test_integrations_unit.py", "tests/test_frameworks.py"),
+    "overlapddp/integrations/fabric.py": ("tests/test_integrations_unit.py", "tests/test_frameworks.py"),
+    "overlapddp/integrations/ray.py": ("tests/test_integrations_unit.py", "tests/test_ray.py"),
 }
 
 
@@ -272,16 +280,44 @@ def read_session(session: Path, module: str) -> list[Mutant]:
     return sorted(mutants, key=lambda m: (m.line, m.operator, m.occurrence))
 
 
-def run_module(scratch: Path, module: str, timeout_s: float | None) -> tuple[list[Mutant], float, float]:
-    """Mutate one module in the scratch copy; returns its mutants, baseline seconds and wall seconds."""
+def check_unchanged(scratch: Path, module: str) -> None:
+    """Refuse to continue a session whose finished mutants no longer match the module's source."""
+    import difflib
+
+    from cosmic_ray.mutating import mutate_code
+    from cosmic_ray.plugins import get_operator
+    from cosmic_ray.work_db import WorkDB, use_db
+
+    source = (scratch / module).read_text()
+    with use_db(str(session_of(module)), WorkDB.Mode.open) as db:
+        for item, result in db.completed_work_items:
+            if not result.diff:
+                continue  # filtered out (skipped): never mutated
+            spec = item.mutations[0]
+            mutated = mutate_code(source, get_operator(spec.operator_name)(), spec.occurrence)
+            diff = "\n".join(difflib.unified_diff(source.splitlines(), (mutated or "").splitlines(), lineterm=""))
+            if change_of(diff) != change_of(result.diff):
+                raise RuntimeError(f"{module} changed since its session ran: run it again without --resume")
+
+
+def run_module(
+    scratch: Path, module: str, timeout_s: float | None, resume: bool = False
+) -> tuple[list[Mutant], float, float]:
+    """Mutate one module in the scratch copy; returns its mutants, baseline seconds and wall seconds.
+    With ``resume``, an existing session for an unchanged module runs only its pending mutants."""
     base = baseline_s(scratch, module)
     per_mutant = timeout_s if timeout_s is not None else round(2 * base + 15, 1)
     config = write_config(scratch, module, per_mutant)
     RESULTS.mkdir(parents=True, exist_ok=True)
     session = session_of(module)
-    session.unlink(missing_ok=True)
+    resume = resume and session.exists()
+    if resume:
+        check_unchanged(scratch, module)
+    else:
+        session.unlink(missing_ok=True)
     start = time.perf_counter()
-    for step in (("cosmic-ray", "init", str(config), str(session)), ("cr-filter-operators", str(session), str(config))):
+    steps = (("cosmic-ray", "init", str(config), str(session)), ("cr-filter-operators", str(session), str(config)))
+    for step in () if resume else steps:
         done = _cosmic_ray(scratch, *step)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(step)} failed:\n{done.stderr[-3000:]}")
@@ -292,12 +328,12 @@ def run_module(scratch: Path, module: str, timeout_s: float | None) -> tuple[lis
 
 
 def run_modules(
-    scratch: Path, modules: list[str], timeout_s: float | None, survivors: bool
+    scratch: Path, modules: list[str], timeout_s: float | None, survivors: bool, resume: bool = False
 ) -> tuple[list[str], list[str]]:
     """Each module in turn; returns the report's rows and its problem lines (survivors, incompetent)."""
     rows, problems = [], []
     for module in modules:
-        mutants, base, wall = run_module(scratch, module, timeout_s)
+        mutants, base, wall = run_module(scratch, module, timeout_s, resume)
         rows.append(summary_row(module, mutants, base, wall))
         print(rows[-1], flush=True)
         for m in mutants:
@@ -377,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, help="seconds per mutant (default: 2 x baseline + 15 s)")
     parser.add_argument("--list", action="store_true", help="print modules and tests, run nothing")
     parser.add_argument("--survivors", action="store_true", help="print each survivor's change")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue an unfinished session of an unchanged module instead of starting over")
     parser.add_argument("--reread", action="store_true", help="report from the sessions in results/mutation")
     parser.add_argument("--recheck", action="store_true",
                         help="rerun each survivor of a finished session with the current tests, then report")
@@ -415,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         scratch = Path(tmp) / "repo"
         shutil.copytree(REPO, scratch, ignore=COPY_IGNORE)
         with warm_server(scratch):
-            rows, problems = run_modules(scratch, modules, args.timeout, args.survivors)
+            rows, problems = run_modules(scratch, modules, args.timeout, args.survivors, args.resume)
     report = f"Commit {commit.strip()}, `python3 tools/mutation_run.py {' '.join(argv or sys.argv[1:])}`\n\n"
     report += HEADER + "\n" + "\n".join(rows) + "\n\n" + "\n".join(f"- {p}" for p in problems) + "\n"
     (RESULTS / "report.md").write_text(report)
