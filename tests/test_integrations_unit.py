@@ -95,6 +95,8 @@ def test_accelerate_decides_when_it_would_build_ddp():
     assert not _builds_ddp(_accelerator(parallelism_config=tensor_parallel, **gpus), _net(), False)
     assert _builds_ddp(_accelerator(parallelism_config=no_tensor_parallel, **gpus), _net(), False)
     assert _builds_ddp(_accelerator(parallelism_config=tensor_parallel), _net(), False)  # MULTI_CPU
+    for other in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM, DistributedType.XLA):
+        assert not _builds_ddp(_accelerator(distributed_type=other), _net(), False), other  # their own wrappers
 
 
 def test_accelerate_gives_the_wrapper_ddps_device_ids(monkeypatch):
@@ -108,10 +110,13 @@ def test_accelerate_gives_the_wrapper_ddps_device_ids(monkeypatch):
     assert _device_ids(_accelerator()) == (None, None)
     assert _device_ids(_accelerator(**gpu, device=torch.device("cuda", 5))) == ([3], 3)
     assert _device_ids(_accelerator(**gpu, device=torch.device("hpu", 5))) == ([5], 5)
-    monkeypatch.setenv("ACCELERATE_BYPASS_DEVICE_MAP", "false")
-    assert _device_ids(_accelerator(**gpu, device=torch.device("cuda", 5))) == ([3], 3)
-    monkeypatch.setenv("ACCELERATE_BYPASS_DEVICE_MAP", "true")
-    assert _device_ids(_accelerator(**gpu, device=torch.device("cuda", 5))) == (None, None)
+    assert _device_ids(_accelerator(**gpu, device=torch.device("xpu", 5))) == ([3], 3)  # only hpu uses its index
+    for not_true in ("false", "yes", "1"):  # Accelerate bypasses on "true" alone, in any case
+        monkeypatch.setenv("ACCELERATE_BYPASS_DEVICE_MAP", not_true)
+        assert _device_ids(_accelerator(**gpu, device=torch.device("cuda", 5))) == ([3], 3), not_true
+    for true in ("true", "TRUE", "True"):
+        monkeypatch.setenv("ACCELERATE_BYPASS_DEVICE_MAP", true)
+        assert _device_ids(_accelerator(**gpu, device=torch.device("cuda", 5))) == (None, None), true
 
 
 def test_accelerate_prepare_builds_overlapddp_with_the_handlers_arguments_and_hook(one_rank):
@@ -148,13 +153,14 @@ def test_accelerate_prepare_leaves_what_ddp_would_not_wrap_to_accelerate(one_ran
     assert accelerator.prepared == [(False, True)]
 
 
-def test_accelerate_refuses_its_compile_setting_before_preparing(one_rank):
+@pytest.mark.parametrize("backend", ["INDUCTOR", "EAGER", "TVM", "ONNXRT"])  # on both sides of "NO"
+def test_accelerate_refuses_its_compile_setting_before_preparing(one_rank, backend):
     _needs("accelerate")
     from accelerate.utils import DynamoBackend
 
     from overlapddp.integrations.accelerate import use_overlapddp
 
-    compiled = SimpleNamespace(dynamo_plugin=SimpleNamespace(backend=DynamoBackend.INDUCTOR))
+    compiled = SimpleNamespace(dynamo_plugin=SimpleNamespace(backend=DynamoBackend[backend]))
     accelerator = use_overlapddp(_accelerator(state=compiled))
     with pytest.raises(NotImplementedError, match=r"dynamo_backend.*OverlapDDP\(torch.compile\(model\)\)"):
         accelerator.prepare_model(_net())
@@ -440,6 +446,8 @@ def test_fabric_registers_the_strategy_by_name():
     entry = STRATEGY_REGISTRY["overlap_ddp"]
     assert entry["strategy"] is OverlapDDPFabricStrategy
     assert entry["init_params"] == {"start_method": "popen"}
+    OverlapDDPFabricStrategy.register_strategies(STRATEGY_REGISTRY)  # a second import replaces the entry
+    assert STRATEGY_REGISTRY["overlap_ddp"]["strategy"] is OverlapDDPFabricStrategy
 
 
 def test_fabric_no_backward_sync_is_the_wrappers_no_sync_and_refuses_a_bare_module(one_rank):
@@ -475,5 +483,5 @@ def test_fabric_setup_and_state_dicts_use_the_bare_module(one_rank):
     bare = _net()
     assert list(strategy.get_module_state_dict(bare)) == list(bare.state_dict())
     with pytest.raises(RuntimeError, match="Missing key"):
-        strategy.load_module_state_dict(wrapper, {}, strict=True)
+        strategy.load_module_state_dict(wrapper, {})  # strict by default, as Fabric's
     strategy.load_module_state_dict(wrapper, {}, strict=False)

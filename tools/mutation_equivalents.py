@@ -28,6 +28,15 @@ _EMPTY = (
     "or as strings, so 'is not empty' and '!= empty' agree on every annotation"
 )
 
+_ENUM = (
+    "enum members are singletons and Accelerate stores members, not strings, so 'is' and '==' agree"
+)
+
+_RANK_ZERO = (
+    "ranks are never negative, and broadcast_from overwrites every other rank's result with rank 0's: "
+    "computing it on the other ranks too changes only the work done"
+)
+
 EQUIVALENTS: tuple[Equivalent, ...] = (
     Equivalent(
         "overlapddp/comm_hook_validation.py",
@@ -375,5 +384,135 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "overlapddp/backend_support.py",
         'if backend == "nccl" and _async_error_handling() == "2": => if backend == "nccl" and _async_error_handling() is "2":',  # noqa: E501 (the line as cosmic-ray changes it)
         "CPython keeps one object per one-character string: the environment's '2', stripped, is the literal",
+    ),
+    Equivalent(
+        'overlapddp/integrations/accelerate.py',
+        'multi_cpu = accelerator.distributed_type == DistributedType.MULTI_CPU => multi_cpu = accelerator.distributed_type is DistributedType.MULTI_CPU',
+        _ENUM,
+    ),
+    Equivalent(
+        'overlapddp/integrations/accelerate.py',
+        'if accelerator.distributed_type == DistributedType.MULTI_CPU: => if accelerator.distributed_type is DistributedType.MULTI_CPU:',
+        _ENUM,
+    ),
+    Equivalent(
+        'overlapddp/integrations/accelerate.py',
+        'if accelerator.distributed_type == DistributedType.MULTI_CPU: => if accelerator.distributed_type <= DistributedType.MULTI_CPU:',
+        "_device_ids runs only where _builds_ddp holds: MULTI_CPU, or a multi-device type (MULTI_GPU ... MULTI_XPU), none of which sorts below 'MULTI_CPU'",
+    ),
+    Equivalent(
+        'overlapddp/integrations/accelerate.py',
+        'if accelerator.state.dynamo_plugin.backend != DynamoBackend.NO: => if accelerator.state.dynamo_plugin.backend is not DynamoBackend.NO:',
+        _ENUM,
+    ),
+    Equivalent(
+        'overlapddp/integrations/ray.py',
+        'if parallel_strategy is None or get_context().get_world_size() == 1: => if parallel_strategy is None or get_context().get_world_size() <= 1:',
+        "a Ray Train context never has fewer than one worker",
+    ),
+    Equivalent(
+        'overlapddp/integrations/ray.py',
+        'if torch.cuda.is_available() and device.type != "cpu": => if torch.cuda.is_available() and device.type > "cpu":',
+        "no torch device type sorts below 'cpu' (cuda, hpu, meta, mps, xpu, ... all sort above it), so '> cpu' is '!= cpu'",
+    ),
+    Equivalent(
+        'overlapddp/tuning/selection.py',
+        'if dist.get_rank(process_group) == 0: => if dist.get_rank(process_group) >= 0:',
+        _RANK_ZERO,
+    ),
+    Equivalent(
+        'overlapddp/tuning/selection.py',
+        'if dist.get_rank(process_group) == 0: => if dist.get_rank(process_group) <= 0:',
+        _RANK_ZERO,
+    ),
+    Equivalent(
+        'overlapddp/tuning/selection.py',
+        'return self._count == len(self.running) * self.iterations => return self._count >= len(self.running) * self.iterations',
+        "the count never passes the phase's total: at the forward that reaches it the tuner agrees, which begins the next phase or ends the selection",
+    ),
+    Equivalent(
+        'overlapddp/tuning/selection.py',
+        'return self._count == len(self.running) * self.iterations => return self._count is len(self.running) * self.iterations',
+        "both sides are small ints (at most MAX_CANDIDATES x FINAL_ITERATIONS), which CPython keeps one object each of",
+    ),
+    Equivalent(
+        'overlapddp/tuning/selection.py',
+        'return [[self._clock.seconds(start, [end])[0] for start, end in timed] for timed in self._timed] => return [[self._clock.seconds(start, [end])[ -1] for start, end in timed] for timed in self._timed]',
+        "seconds() is given one stamp and returns one value: the first is the last",
+    ),
+    Equivalent(
+        'overlapddp/tuning/tuner.py',
+        'self._clock = clock_for(self._params[0].device) => self._clock = clock_for(self._params[ -1].device)',
+        "OverlapDDP refuses a module whose parameters are on more than one device (construction.py): the last parameter's device is the first's",
+    ),
+    Equivalent(
+        'overlapddp/tuning/tuner.py',
+        'self._ended = False  # a synchronized iteration ended (or was shadowed) since the last forward => self._ended = True  # a synchronized iteration ended (or was shadowed) since the last forward',
+        "never read: between_iterations resets the flag before the selection that reads it exists",
+    ),
+    Equivalent(
+        'overlapddp/tuning/tuner.py',
+        'for i, seconds in zip(marked, read(stamps), strict=True): => for i, seconds in zip(marked, read(stamps), strict=False):',
+        "the stamps are the marked gradients' own, and read() returns one value per stamp: equal lengths",
+    ),
+    Equivalent(
+        'overlapddp/tuning/tuner.py',
+        'work = [end - start for start, end in zip(starts, ends, strict=True)] => work = [end - start for start, end in zip(starts, ends, strict=False)]',
+        "starts and ends are read from the same finalize list, one each: equal lengths",
+    ),
+    Equivalent(
+        'overlapddp/tuning/tuner.py',
+        'work += [0.0] * (len(buckets) - len(work)) => work += [0.0] * (len(buckets) + len(work))',
+        "the padding makes work at least as long as the buckets; the zip that pairs them (strict=False) drops any extra zeros",
+    ),
+    Equivalent(
+        'overlapddp/tuning/tuner.py',
+        'first = min((t for t in ready if not math.isnan(t)), default=0.0) => first = min((t for t in ready if not math.isnan(t)), default= 1.0)',
+        "the default is used only when every ready time is NaN, and NaN minus any first time stays NaN",
+    ),
+    Equivalent(
+        'overlapddp/tuning/tuner.py',
+        'first = min((t for t in ready if not math.isnan(t)), default=0.0) => first = min((t for t in ready if not math.isnan(t)), default= -1.0)',
+        "the default is used only when every ready time is NaN, and NaN minus any first time stays NaN",
+    ),
+    Equivalent(
+        'overlapddp/tuning/tuner.py',
+        'for (n, tensors, _, _, host_s), start, done, seconds in zip(buckets, launched, finished, work, strict=False) => for (n, tensors, _, _, host_s), start, done, seconds in zip(buckets, launched, finished, work, strict=True)',
+        "launched and finished come from the buckets one each and work is padded to their length: strict never fires",
+    ),
+    Equivalent(
+        'overlapddp/tuning/tuner.py',
+        'if len(layouts) == 1: => if len(layouts) <= 1:',
+        "the candidates always include the layout in force (candidate_layouts): never fewer than one",
+    ),
+    Equivalent(
+        'overlapddp/tuning/tuner.py',
+        'self._finish(layouts[0], adopt) => self._finish(layouts[ -1], adopt)',
+        "reached only with exactly one layout: the last is the first",
+    ),
+    Equivalent(
+        'overlapddp/tuning/tuner.py',
+        'layout = torch.zeros(2, count, dtype=torch.int64, device=device)  # [order; bucket lengths] => layout = torch.zeros( 3, count, dtype=torch.int64, device=device)  # [order; bucket lengths]',
+        "a third row of zeros is broadcast with the others and never read; only the size of the broadcast changes",
+    ),
+    Equivalent(
+        'overlapddp/tuning/tuner.py',
+        'if dist.get_rank(process_group) == 0: => if dist.get_rank(process_group) >= 0:',
+        _RANK_ZERO,
+    ),
+    Equivalent(
+        'overlapddp/tuning/tuner.py',
+        'if dist.get_rank(process_group) == 0: => if dist.get_rank(process_group) <= 0:',
+        _RANK_ZERO,
+    ),
+    Equivalent(
+        'overlapddp/tuning/tuner.py',
+        'order, lengths = layout[0].tolist(), [n for n in layout[1].tolist() if n > 0] => order, lengths = layout[0].tolist(), [n for n in layout[1].tolist() if n != 0]',
+        "bucket lengths are counts: never negative, so nonzero is positive",
+    ),
+    Equivalent(
+        'overlapddp/tuning/tuner.py',
+        'per_gradient = zip(*self._ready, strict=False) => per_gradient = zip(*self._ready, strict=True)',
+        "every measured iteration records one ready time per parameter: equal lengths",
     ),
 )

@@ -81,7 +81,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "overlapddp/tuning/cost_model.py": ("tests/test_plan_selection.py", "tests/test_tuned_plan.py"),
     "overlapddp/tuning/clock.py": ("tests/test_clock.py", "tests/test_plan_selection.py", "tests/test_tuned_plan.py"),
     "overlapddp/tuning/selection.py": ("tests/test_plan_selection.py", "tests/test_tuned_plan.py"),
-    "overlapddp/tuning/tuner.py": ("tests/test_plan_selection.py", "tests/test_tuned_plan.py"),
+    "overlapddp/tuning/tuner.py": ("tests/test_tuner_unit.py", "tests/test_plan_selection.py", "tests/test_tuned_plan.py"),
     "overlapddp/shard_layout.py": ("tests/test_shard_layout.py",),
     "overlapddp/shard_collectives.py": ("tests/test_shard_collectives.py", "tests/test_sharded_optimizer.py"),
     "overlapddp/shard_relayout.py": ("tests/test_shard_relayout.py", "tests/test_sharded_optimizer.py"),

@@ -58,7 +58,7 @@ def _device_ids(accelerator: Accelerator) -> tuple[list[int | torch.device] | No
     """The ``device_ids`` and ``output_device`` Accelerate gives DDP."""
     if accelerator.distributed_type == DistributedType.MULTI_CPU:
         return None, None
-    if os.environ.get("ACCELERATE_BYPASS_DEVICE_MAP", "false") == "true":
+    if os.environ.get("ACCELERATE_BYPASS_DEVICE_MAP", "false").lower() == "true":  # as Accelerate reads it
         return None, None
     index = accelerator.device.index if accelerator.device.type == "hpu" else accelerator.local_process_index
     return [index], index
