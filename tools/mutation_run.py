@@ -78,7 +78,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
         "tests/test_comm_hooks.py::test_hook_chains_run_one_bucket_at_a_time",
         "tests/test_comm_hooks.py::test_bad_hook_result_raises_naming_hook_and_bucket_on_every_rank",
     ),
-    "overlapddp/tuning/cost_model.py": ("tests/test_plan_selection.py", "tests/test_tuned_plan.py"),
+    "overlapddp/tuning/cost_model.py": ("tests/test_cost_model_unit.py", "tests/test_plan_selection.py", "tests/test_tuned_plan.py"),
     "overlapddp/tuning/clock.py": ("tests/test_clock.py", "tests/test_plan_selection.py", "tests/test_tuned_plan.py"),
     "overlapddp/tuning/selection.py": ("tests/test_plan_selection.py", "tests/test_tuned_plan.py"),
     "overlapddp/tuning/tuner.py": ("tests/test_tuner_unit.py", "tests/test_plan_selection.py", "tests/test_tuned_plan.py"),
