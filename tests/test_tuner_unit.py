@@ -5,6 +5,7 @@ many synchronized iterations calibration and selection take (spawned ranks: test
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Sequence
 
 import pytest
@@ -72,7 +73,7 @@ def test_one_measured_iteration_records_ready_times_from_the_first_and_each_buck
     tuner.gradient_ready(2)
     clock.time = 12.0
     tuner.gradient_ready(0)  # gradient 1 is never ready (unused this iteration)
-    monkeypatch.setattr(tuner_module.time, "perf_counter", lambda: 100.5)
+    monkeypatch.setattr(tuner_module, "time", SimpleNamespace(perf_counter=lambda: 100.5))  # the tuner's alone
     clock.completes = 14.0
     tuner.bucket_launched(8, 2, 100.0, 12.5, torch.futures.Future())
     tuner.bucket_finalized(14.0, 14.25)

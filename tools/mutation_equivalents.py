@@ -527,7 +527,6 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
     ),
     Equivalent("overlapddp/tuning/cost_model.py", "samples.append((b.nbytes, max(b.finished - start, 0.0))) => samples.append((b.nbytes, max(b.finished - start, -1.0)))", "a sample's time is only read as max(t - alpha, 0.0); alpha is the smallest host_s, a perf_counter difference (tuner.py), never negative, so a time in [-1, 0) counts 0 s either way"),
     Equivalent("overlapddp/tuning/cost_model.py", "work_from = [0.0] * (count + 1)  # W: the finalize work of gradients k.. in ready order => work_from = [0.0] * (count + 2)  # W: the finalize work of gradients k.. in ready order", "the extra trailing element is never read: the loop reads k + 1 <= count and the planner reads indices below count"),
-    Equivalent("overlapddp/tuning/cost_model.py", "for k in range(count - 1, -1, -1): => for k in range(count - 2, -1, -1):", "every W_k drops by the same constant (the last gradient's work), so every worst end and the final key max(E + W_0, worst) shift alike: the fronts and the choice are unchanged (no plan differed on 3,000 random cases)"),
     Equivalent("overlapddp/tuning/cost_model.py", 'fronts: list[list[tuple[float, float, int, int]]] = [[(float("-inf"), float("-inf"), 0, 0)]] => fronts: list[list[tuple[float, float, int, int]]] = [[(float("-inf"), float("-inf"), 1, 0)]]', _EMPTY_PREFIX),
     Equivalent("overlapddp/tuning/cost_model.py", 'fronts: list[list[tuple[float, float, int, int]]] = [[(float("-inf"), float("-inf"), 0, 0)]] => fronts: list[list[tuple[float, float, int, int]]] = [[(float("-inf"), float("-inf"), -1, 0)]]', _EMPTY_PREFIX),
     Equivalent("overlapddp/tuning/cost_model.py", 'fronts: list[list[tuple[float, float, int, int]]] = [[(float("-inf"), float("-inf"), 0, 0)]] => fronts: list[list[tuple[float, float, int, int]]] = [[(float("-inf"), float("-inf"), 0, 1)]]', _EMPTY_PREFIX),
@@ -536,4 +535,19 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
     Equivalent("overlapddp/tuning/cost_model.py", "backward_end = max(ready_s, default=0.0) => backward_end = max(ready_s, default= -1.0)", _NO_PARAMETERS),
     Equivalent("overlapddp/tuning/cost_model.py", "while end > 0: => while end != 0:", "end starts at count >= 0 and each step sets it to a bucket's first gradient, 0 <= first < end: it reaches exactly 0, never below"),
     Equivalent("overlapddp/tuning/cost_model.py", "if len(front) <= FRONT_LIMIT: => if len(front) < FRONT_LIMIT:", "at exactly FRONT_LIMIT entries the spread picks front[round(k * last / last)] = front[k] for every k: the same list"),
+    Equivalent(
+        "overlapddp/bucket_reduction.py",
+        "self._divide_by: float | None = 1 => self._divide_by: float | None = 2",
+        "never read: gradients are copied in only after a synchronized forward, whose arm() sets it first",
+    ),
+    Equivalent(
+        "overlapddp/bucket_reduction.py",
+        "chained = bucket.index() > 0 and not is_unchained(hook) => chained = bucket.index() != 0 and not is_unchained(hook)",
+        "a bucket's index is its position in the layout: never negative, so nonzero is positive",
+    ),
+    Equivalent(
+        "overlapddp/bucket_reduction.py",
+        "return int(work.result()[0].item()) => return int(work.result()[ -1].item())",
+        "an all_reduce of one tensor completes its work with a list of exactly that tensor",
+    ),
 )

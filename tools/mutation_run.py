@@ -22,6 +22,7 @@ non-equivalent mutant survived or a module's tests fail unmutated.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import subprocess
@@ -285,24 +286,14 @@ def read_session(session: Path, module: str) -> list[Mutant]:
     return sorted(mutants, key=lambda m: (m.line, m.operator, m.occurrence))
 
 
-def check_unchanged(scratch: Path, module: str) -> None:
-    """Refuse to continue a session whose finished mutants no longer match the module's source."""
-    import difflib
+def source_stamp(session: Path) -> Path:
+    """Beside a session: the hash of the module source it was made from, written once its work
+    list is complete (init and filter done), so only a whole list of the same source resumes."""
+    return session.with_suffix(".source")
 
-    from cosmic_ray.mutating import mutate_code
-    from cosmic_ray.plugins import get_operator
-    from cosmic_ray.work_db import WorkDB, use_db
 
-    source = (scratch / module).read_text()
-    with use_db(str(session_of(module)), WorkDB.Mode.open) as db:
-        for item, result in db.completed_work_items:
-            if not result.diff:
-                continue  # filtered out (skipped): never mutated
-            spec = item.mutations[0]
-            mutated = mutate_code(source, get_operator(spec.operator_name)(), spec.occurrence)
-            diff = "\n".join(difflib.unified_diff(source.splitlines(), (mutated or "").splitlines(), lineterm=""))
-            if change_of(diff) != change_of(result.diff):
-                raise RuntimeError(f"{module} changed since its session ran: run it again without --resume")
+def source_hash(scratch: Path, module: str) -> str:
+    return hashlib.sha256((scratch / module).read_bytes()).hexdigest()
 
 
 def run_module(
@@ -315,17 +306,21 @@ def run_module(
     config = write_config(scratch, module, per_mutant)
     RESULTS.mkdir(parents=True, exist_ok=True)
     session = session_of(module)
+    stamp = source_stamp(session)
     resume = resume and session.exists()
-    if resume:
-        check_unchanged(scratch, module)
-    else:
+    if resume and (not stamp.exists() or stamp.read_text() != source_hash(scratch, module)):
+        raise RuntimeError(f"{module} changed since its session was made, or its making was cut short: "
+                           "run it again without --resume")
+    if not resume:
         session.unlink(missing_ok=True)
+        stamp.unlink(missing_ok=True)
     start = time.perf_counter()
     steps = (("cosmic-ray", "init", str(config), str(session)), ("cr-filter-operators", str(session), str(config)))
     for step in () if resume else steps:
         done = _cosmic_ray(scratch, *step)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(step)} failed:\n{done.stderr[-3000:]}")
+    stamp.write_text(source_hash(scratch, module))
     done = _cosmic_ray(scratch, "cosmic-ray", "exec", str(config), str(session))
     if done.returncode != 0:
         raise RuntimeError(f"cosmic-ray exec failed:\n{done.stderr[-3000:]}")

@@ -51,7 +51,7 @@ def _builds_ddp(accelerator: Accelerator, model: nn.Module, evaluation_mode: boo
     config = accelerator.parallelism_config
     tensor_parallel = config is not None and config.tp_enabled
     multi_cpu = accelerator.distributed_type == DistributedType.MULTI_CPU
-    return (accelerator.multi_device and not tensor_parallel) or multi_cpu
+    return not tensor_parallel and (accelerator.multi_device or multi_cpu)  # tensor parallel: Accelerate's own path
 
 
 def _device_ids(accelerator: Accelerator) -> tuple[list[int | torch.device] | None, int | None]:
