@@ -550,4 +550,9 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "return int(work.result()[0].item()) => return int(work.result()[ -1].item())",
         "an all_reduce of one tensor completes its work with a list of exactly that tensor",
     ),
+    Equivalent(
+        "overlapddp/sharded_checkpoint.py",
+        "return {key: value.local_shards()[0].tensor if isinstance(value, ShardedTensor) else value => return {key: value.local_shards()[ -1].tensor if isinstance(value, ShardedTensor) else value",
+        "a rank's entry holds at most one local shard, its one piece of the parameter (_sharded): the first is the last",
+    ),
 )

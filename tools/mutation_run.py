@@ -87,7 +87,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "overlapddp/shard_collectives.py": ("tests/test_shard_collectives.py", "tests/test_sharded_optimizer.py"),
     "overlapddp/shard_relayout.py": ("tests/test_shard_relayout.py", "tests/test_sharded_optimizer.py"),
     "overlapddp/shard_checks.py": ("tests/test_shard_checks.py", "tests/test_sharded_optimizer.py"),
-    "overlapddp/sharded_checkpoint.py": ("tests/test_dcp.py", "tests/test_sharded_optimizer.py"),
+    "overlapddp/sharded_checkpoint.py": ("tests/test_sharded_checkpoint_unit.py", "tests/test_dcp.py", "tests/test_sharded_optimizer.py"),
     "overlapddp/sharded_optimizer.py": ("tests/test_sharded_optimizer.py", "tests/test_dcp.py"),
     "overlapddp/device_streams.py": ("tests/test_device_streams.py", "tests/test_cuda_logic.py", "tests/test_streams.py"),
     "overlapddp/fence.py": ("tests/test_cuda_logic.py", "tests/test_race.py", "tests/test_streams.py"),
