@@ -13,7 +13,6 @@ Gradients are ``uint8`` tensors, so a gradient of ``n`` elements is ``n`` bytes.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import pytest
 import torch
@@ -31,25 +30,11 @@ from overlapddp.tuning.cost_model import (
     predicted_end,
     tuned_plan,
 )
+from tests.partitions import all_partitions
 
 
 def _grads(sizes: list[int]) -> list[torch.Tensor]:
     return [torch.empty(n, dtype=torch.uint8) for n in sizes]
-
-
-def _splits(count: int) -> list[BucketPlan]:
-    """Every split of gradients 0..count-1 (already in ready order) into consecutive runs."""
-    plans = []
-    for cuts in itertools.product((False, True), repeat=count - 1):
-        buckets, current = [], [0]
-        for cut, index in zip(cuts, range(1, count), strict=True):
-            if cut:
-                buckets.append(tuple(current))
-                current = []
-            current.append(index)
-        buckets.append(tuple(current))
-        plans.append(BucketPlan(tuple(buckets), tuple(0 for _ in buckets)))
-    return plans
 
 
 # -- the value types --------------------------------------------------------------------------
@@ -239,7 +224,7 @@ def test_tuned_plan_breaks_an_end_bounded_by_backward_and_all_work_towards_earli
     assert predicted_end(plan, params, ready, link) == 12.5
     # The chosen layout is the only one that is best on (work end, completion), in that order.
     ranked = sorted((predicted_end(p, params, ready, link, work), predicted_end(p, params, ready, link), p.buckets)
-                    for p in _splits(4))
+                    for p in all_partitions(list(range(4))))
     assert ranked[0] == (16.0, 12.5, plan.buckets) and ranked[1][:2] == (16.0, 13.0)
     assert tuned_plan(params, ready, link).buckets == ((0, 1), (2, 3))
 

@@ -13,7 +13,6 @@ import contextlib
 import copy
 import functools
 import hashlib
-import itertools
 import random
 from typing import Callable, Iterator
 
@@ -35,6 +34,7 @@ from overlapddp.tuning.cost_model import (
 )
 from tests import models
 from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
+from tests.partitions import all_partitions
 
 TUNED_FROM = 1 + tuner.CALIBRATION_ITERATIONS  # the first step with a selected candidate (the model's plan)
 # Step 0: one bucket; from 1: DDP's rebuilt layout, measured; from TUNED_FROM: each candidate in turn;
@@ -59,21 +59,6 @@ def _tensors(sizes: list[int], dtypes: list[torch.dtype] | None = None) -> list[
     return [torch.empty(n, dtype=d) for n, d in zip(sizes, dtypes, strict=False)]
 
 
-def _all_partitions(order: list[int]) -> list[BucketPlan]:
-    """Every split of ``order`` into consecutive runs."""
-    plans = []
-    for cuts in itertools.product((False, True), repeat=len(order) - 1):
-        buckets, current = [], [order[0]]
-        for cut, index in zip(cuts, order[1:], strict=False):
-            if cut:
-                buckets.append(tuple(current))
-                current = []
-            current.append(index)
-        buckets.append(tuple(current))
-        plans.append(BucketPlan(tuple(buckets), tuple(0 for _ in buckets)))
-    return plans
-
-
 @pytest.mark.parametrize("with_finalize_work", [False, True], ids=["link-only", "with-finalize-work"])
 @pytest.mark.parametrize("seed", range(20))
 def test_tuned_plan_ends_as_early_as_the_best_split_in_ready_order(seed, with_finalize_work):
@@ -86,7 +71,7 @@ def test_tuned_plan_ends_as_early_as_the_best_split_in_ready_order(seed, with_fi
     work = FinalizeFit(rng.uniform(0, 2e-4), rng.uniform(0, 2e-8)) if with_finalize_work else FinalizeFit(0.0, 0.0)
     plan = tuned_plan(params, ready, link, work)
     order = sorted(range(count), key=lambda i: (ready[i], i))
-    best = min(predicted_end(p, params, ready, link, work) for p in _all_partitions(order))
+    best = min(predicted_end(p, params, ready, link, work) for p in all_partitions(order))
     assert predicted_end(plan, params, ready, link, work) == pytest.approx(best, rel=1e-12, abs=0)
     assert [i for b in plan.buckets for i in b] == order  # consecutive runs of the ready order
 
