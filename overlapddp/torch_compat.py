@@ -78,9 +78,14 @@ def _each(method: str) -> Callable[..., None]:
 foreach_copy_: Callable[..., None] = getattr(torch, "_foreach_copy_", None) or _each("copy_")
 foreach_mul_: Callable[..., None] = getattr(torch, "_foreach_mul_", None) or _each("mul_")
 foreach_div_: Callable[..., None] = getattr(torch, "_foreach_div_", None) or _each("div_")
-foreach_norm: Callable[..., list[torch.Tensor]] = getattr(torch, "_foreach_norm", None) or (
-    lambda tensors, ord=2: [torch.linalg.vector_norm(t, ord) for t in tensors]
-)
+
+
+def _norms(tensors: Sequence[torch.Tensor], ord: float = 2) -> list[torch.Tensor]:
+    """``torch._foreach_norm`` one tensor at a time (the Euclidean norm unless told)."""
+    return [torch.linalg.vector_norm(tensor, ord) for tensor in tensors]
+
+
+foreach_norm: Callable[..., list[torch.Tensor]] = getattr(torch, "_foreach_norm", None) or _norms
 
 
 def cuda_sleep(cycles: int) -> None:
