@@ -47,6 +47,11 @@ _NO_PARAMETERS = (
     "is the minimum whatever the key, and backward_end is read nowhere else"
 )
 
+_ONE_SPARSE_PARAMETER = (
+    "a sparse bucket holds exactly one parameter (the constructor refuses any other count) and gets one "
+    "gradient per copy: its first element is its last"
+)
+
 EQUIVALENTS: tuple[Equivalent, ...] = (
     Equivalent(
         "overlapddp/comm_hook_validation.py",
@@ -554,5 +559,47 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "overlapddp/sharded_checkpoint.py",
         "return {key: value.local_shards()[0].tensor if isinstance(value, ShardedTensor) else value => return {key: value.local_shards()[ -1].tensor if isinstance(value, ShardedTensor) else value",
         "a rank's entry holds at most one local shard, its one piece of the parameter (_sharded): the first is the last",
+    ),
+    Equivalent(
+        "overlapddp/sparse_reduction.py",
+        "param = params[0] => param = params[ -1]",
+        _ONE_SPARSE_PARAMETER,
+    ),
+    Equivalent(
+        "overlapddp/sparse_reduction.py",
+        "grad = grads[0] => grad = grads[ -1]",
+        _ONE_SPARSE_PARAMETER,
+    ),
+    Equivalent(
+        "overlapddp/sparse_reduction.py",
+        "if self.params[0].grad is self.buffer: => if self.params[ -1].grad is self.buffer:",
+        _ONE_SPARSE_PARAMETER,
+    ),
+    Equivalent(
+        "overlapddp/sparse_reduction.py",
+        "self.params[0].grad = None => self.params[ -1].grad = None",
+        _ONE_SPARSE_PARAMETER,
+    ),
+    Equivalent(
+        "overlapddp/sparse_reduction.py",
+        "check_invariants=True, => check_invariants=False,",
+        "the placeholder has no indices and no values, so it satisfies every invariant: the check only checks",
+    ),
+    Equivalent(
+        "overlapddp/sparse_reduction.py",
+        "if grad.layout != torch.sparse_coo: => if grad.layout is not torch.sparse_coo:",
+        "torch layouts are singletons that compare by identity, so '!=' and 'is not' agree",
+    ),
+    Equivalent(
+        "overlapddp/torch_compat.py",
+        "return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1 => "
+        "return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() > -1",
+        "a graph task id is -1 outside a backward and a count from 0 inside one: never below -1",
+    ),
+    Equivalent(
+        "overlapddp/torch_compat.py",
+        "return helper(inputs, kwargs, device, False) => return helper(inputs, kwargs, device, True)",
+        "the flag only moves a copy between two accelerator devices onto a side stream that the current "
+        "stream then waits for (_recursive_to copies from the CPU plainly either way): the values are equal",
     ),
 )
