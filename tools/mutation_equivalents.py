@@ -582,6 +582,11 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
     ),
     Equivalent(
         "overlapddp/sparse_reduction.py",
+        "if not write[0] or result is self.buffer: => if not write[ -1] or result is self.buffer:",
+        _ONE_SPARSE_PARAMETER,
+    ),
+    Equivalent(
+        "overlapddp/sparse_reduction.py",
         "check_invariants=True, => check_invariants=False,",
         "the placeholder has no indices and no values, so it satisfies every invariant: the check only checks",
     ),

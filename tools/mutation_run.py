@@ -90,7 +90,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "overlapddp/sharded_checkpoint.py": ("tests/test_sharded_checkpoint_unit.py", "tests/test_dcp.py", "tests/test_sharded_optimizer.py"),
     "overlapddp/sharded_optimizer.py": ("tests/test_sharded_optimizer.py", "tests/test_dcp.py"),
     "overlapddp/device_streams.py": ("tests/test_device_streams.py", "tests/test_cuda_logic.py", "tests/test_streams.py"),
-    "overlapddp/fence.py": ("tests/test_cuda_logic.py", "tests/test_race.py", "tests/test_streams.py"),
+    "overlapddp/fence.py": ("tests/test_fence_unit.py", "tests/test_cuda_logic.py", "tests/test_race.py", "tests/test_streams.py"),
     "overlapddp/pickling.py": ("tests/test_copy_recipe.py", "tests/test_pickling.py", "tests/test_copies.py"),
     "overlapddp/delayed_reduction.py": ("tests/test_delayed_unit.py", "tests/test_delayed.py"),
     "overlapddp/join.py": ("tests/test_join_unit.py", "tests/test_join.py"),

@@ -1,0 +1,152 @@
+"""The CPU fence and its log on their own: the happens-before rules the log checks, the errors a
+misuse gets, what an abandon drops, and the times the log keeps, with futures made by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.futures import Future
+
+from overlapddp import fence as fence_module
+from overlapddp.fence import BACKWARD_END, CudaFence, Fence, FenceEdge, FenceLog, _address, _tensors_of, fence_for
+from tests.fake_cuda import RecordingKit
+
+
+def _edge(iteration: int, bucket: int, edge: str, buffer: int = 1) -> FenceEdge:
+    return FenceEdge(iteration, bucket, edge, "actor", "cpu", None, buffer, 0.0)
+
+
+def _cycle(iteration: int, bucket: int, buffer: int = 1) -> list[FenceEdge]:
+    return [_edge(iteration, bucket, e, buffer) for e in ("produced", "launched", "completed", "consumed")]
+
+
+def _done(value: object) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+def test_a_log_in_order_has_no_violation_and_a_second_consumer_is_allowed() -> None:
+    edges = _cycle(0, 0) + [_edge(0, 0, "consumed"), _edge(0, -1, BACKWARD_END)] + _cycle(0, 1, 2) + _cycle(1, 0)
+    assert FenceLog(edges).violations() == []
+
+
+@pytest.mark.parametrize(
+    ("edges", "problem"),
+    [
+        ([_edge(0, 0, "launched")], "iteration 0 bucket 0: 'launched' by actor after nothing"),
+        (_cycle(0, 0)[:1] + [_edge(0, 0, "completed")], "iteration 0 bucket 0: 'completed' by actor after ['produced']"),
+        (_cycle(0, 3)[:2] + [_edge(0, 3, "consumed")], "'consumed' by actor after ['produced', 'launched']"),
+        (_cycle(0, 0) + [_edge(0, 0, "produced")], "'produced' by actor after ['produced', 'launched', 'completed', 'consumed']"),
+        (_cycle(0, 0)[:3] + [_edge(0, 0, "completed")], "'completed' by actor after ['produced', 'launched', 'completed']"),
+    ],
+)
+def test_each_edge_out_of_order_is_named_with_what_came_before(edges: list[FenceEdge], problem: str) -> None:
+    assert problem in FenceLog(edges).violations()[0]
+
+
+def test_a_buffer_produced_into_while_its_collective_runs_is_a_violation_until_it_completes() -> None:
+    racing = _cycle(0, 0, buffer=7)[:2] + [_edge(0, 1, "produced", buffer=7)]
+    assert FenceLog(racing).violations() == [
+        "iteration 0 bucket 1: buffer reused while the collective of iteration 0 bucket 0 on it had not completed"
+    ]
+    other_buffer = _cycle(0, 0, buffer=7)[:2] + [_edge(0, 1, "produced", buffer=8)]
+    assert FenceLog(other_buffer).violations() == []
+    after_completion = _cycle(0, 0, buffer=7)[:3] + [_edge(0, 1, "produced", buffer=7)]
+    assert FenceLog(after_completion).violations() == []
+
+
+def test_a_bucket_launched_twice_or_completed_unlaunched_is_refused_naming_it() -> None:
+    fence = Fence()
+    fence.launch(4, lambda: _done(1))
+    with pytest.raises(RuntimeError, match="Bucket 4 was launched twice"):
+        fence.launch(4, lambda: _done(1))
+    with pytest.raises(RuntimeError, match="Bucket 5 was asked for its result but was never launched"):
+        fence.complete(5)
+    assert fence.complete(4) == 1
+    with pytest.raises(RuntimeError, match="Bucket 4 was asked for its result"):
+        fence.complete(4)
+
+
+def test_complete_tells_the_waiter_hook_which_future_it_waits_for_first() -> None:
+    seen: list[tuple[int, Future]] = []
+    fence = Fence(before_wait=lambda bucket, future: seen.append((bucket, future)))
+    future: Future = Future()
+    fence.launch(2, lambda: future)
+    future.set_result("reduced")
+    assert fence.complete(2) == "reduced"
+    assert seen == [(2, future)]
+
+
+def test_abandon_drops_every_collective_in_flight_and_starts_a_new_iteration() -> None:
+    fence = Fence()
+    for bucket in (3, 1, 2):
+        fence.launch(bucket, lambda: _done(None))
+    fence.complete(2)
+    assert fence.in_flight() == [1, 3]
+    assert fence.abandon() == [1, 3]
+    assert fence.in_flight() == [] and fence.iteration == 1
+    fence.launch(1, lambda: _done(None))  # no longer "launched twice"
+    fence.end_iteration()
+    assert fence.iteration == 2
+
+
+def test_the_log_records_each_edge_with_its_iteration_buffer_and_times_in_order() -> None:
+    fence = Fence()
+    fence.log = FenceLog()
+    buffer = torch.zeros(3)
+    fence.produced(0, buffer)
+    fence.launch(0, lambda: _done(buffer))
+    fence.complete(0)
+    fence.consumed(0, "copy to param.grad")
+    fence.backward_ended()
+    fence.end_iteration()
+    fence.produced(0, buffer)
+    edges = fence.log.edges
+    assert [(e.iteration, e.bucket, e.edge, e.actor) for e in edges] == [
+        (0, 0, "produced", "autograd hook"),
+        (0, 0, "launched", "collective"),
+        (0, 0, "completed", "finalize"),
+        (0, 0, "consumed", "copy to param.grad"),
+        (0, -1, BACKWARD_END, "autograd engine"),
+        (1, 0, "produced", "autograd hook"),
+    ]
+    assert {e.buffer for e in edges if e.bucket == 0} == {buffer.data_ptr()} and edges[4].buffer == 0
+    assert all(e.stream == "cpu" and e.event is None for e in edges)
+    times = [e.time for e in edges]
+    assert times == sorted(times), "each edge's time is not before the previous one's"
+    assert fence.log.violations() == []
+
+
+def test_without_a_log_nothing_is_recorded_or_kept_per_launch() -> None:
+    fence = Fence()
+    fence.launch(0, lambda: _done(None))
+    assert fence._launched_at == {} and fence._finished_at == {}
+    fence.complete(0)
+    assert fence.log is None
+
+
+def test_a_buffer_is_named_by_its_memory_a_sparse_one_by_identity_and_none_by_zero() -> None:
+    dense = torch.zeros(2)
+    sparse = torch.zeros(2).to_sparse()
+    assert _address(dense) == dense.data_ptr() and _address(sparse) == id(sparse) and _address(None) == 0
+
+
+def test_the_tensors_of_a_result_are_its_tensors_in_order() -> None:
+    a, b = torch.zeros(1), torch.ones(1)
+    assert _tensors_of(a)[0] is a
+    assert [t is x for t, x in zip(_tensors_of([a, "not a tensor", b]), (a, b), strict=True)] == [True, True]
+    assert len(_tensors_of((a, b))) == 2 and _tensors_of(None) == []
+
+
+def test_the_fence_follows_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fence_module, "CudaKit", lambda device: RecordingKit())
+    calls: list[int] = []
+    cpu = fence_for(torch.device("cpu"), before_wait=lambda bucket, future: calls.append(bucket))
+    cuda = fence_for(torch.device("cuda", 0), before_wait=lambda bucket, future: calls.append(-bucket))
+    assert type(cpu) is Fence and type(cuda) is CudaFence
+    for fence, bucket in ((cpu, 1), (cuda, 2)):
+        fence.produced(bucket, torch.zeros(1))
+        fence.launch(bucket, lambda: _done(None))
+        fence.complete(bucket)
+    assert calls == [1, -2], "each fence got its waiter hook"
