@@ -603,6 +603,13 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
     ),
     Equivalent(
         "overlapddp/torch_compat.py",
+        "return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1 => "
+        "return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() is not -1",
+        "CPython keeps one object for each int from -5 to 256, so the id -1 is always the cached -1: 'is not' "
+        "and '!=' agree",
+    ),
+    Equivalent(
+        "overlapddp/torch_compat.py",
         "return helper(inputs, kwargs, device, False) => return helper(inputs, kwargs, device, True)",
         "the flag only moves a copy between two accelerator devices onto a side stream that the current "
         "stream then waits for (_recursive_to copies from the CPU plainly either way): the values are equal",

@@ -1,0 +1,112 @@
+"""One bucket's pipeline with its shared stages stood in for: the check of a hook's result, the
+error a failed completion raises, and the non-finite check that stops a launch."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch.futures import Future
+
+from overlapddp import bucket_pipeline
+from overlapddp.bucket_pipeline import BucketPipeline, SharedStages, hook_result
+from overlapddp.fence import Fence
+
+EXPECTED = torch.zeros(6)
+
+
+@pytest.mark.parametrize("wrap", (lambda t: t, lambda t: [t], lambda t: (t,)), ids=("tensor", "list", "tuple"))
+def test_a_hook_may_return_a_tensor_or_one_in_a_list_or_tuple(wrap: Any) -> None:
+    reduced = torch.ones(6)
+    assert hook_result(wrap(reduced), "my_hook", 3, EXPECTED) is reduced
+
+
+def test_a_complex_result_of_the_right_size_is_accepted() -> None:
+    reduced = torch.zeros(6, dtype=torch.complex64)
+    assert hook_result(reduced, "my_hook", 3, EXPECTED) is reduced
+
+
+@pytest.mark.parametrize(
+    ("value", "kind"),
+    [([torch.ones(6), torch.ones(6)], "list"), (None, "NoneType"), ([], "list"), ("done", "str")],
+)
+def test_a_result_that_is_not_one_tensor_is_a_type_error_naming_hook_and_bucket(value: object, kind: str) -> None:
+    with pytest.raises(TypeError) as raised:
+        hook_result(value, "my_hook", 3, EXPECTED)
+    assert str(raised.value) == (
+        f"Communication hook my_hook returned a future whose value is {kind} for bucket 3; "
+        "expected one tensor of 6 elements."
+    )
+
+
+@pytest.mark.parametrize("value", [torch.ones(5), torch.ones(2, 4), torch.ones(6, dtype=torch.int64), torch.ones(6, dtype=torch.bool)])
+def test_a_tensor_of_another_size_or_an_integer_dtype_is_a_value_error(value: torch.Tensor) -> None:
+    with pytest.raises(ValueError) as raised:
+        hook_result(value, "my_hook", 3, EXPECTED)
+    assert str(raised.value) == (
+        f"Communication hook my_hook returned a {tuple(value.shape)} {value.dtype} tensor for bucket 3; "
+        "expected 6 elements of a floating dtype (the bucket holds torch.float32)."
+    )
+
+
+def _pipeline(members: list[int], fence: Fence, check_nonfinite: bool = False) -> BucketPipeline:
+    shared = SharedStages(
+        fence=fence,
+        reduction=SimpleNamespace(rank=2, process_group=None, hook_name="allreduce", start=lambda bucket: Future()),  # type: ignore[arg-type]
+        write_watch=SimpleNamespace(watchers=0),  # type: ignore[arg-type]
+        progress=SimpleNamespace(behind=lambda bucket: f" (rank 1 is behind, bucket {bucket})"),  # type: ignore[arg-type]
+        names=[f"layer{i}.weight" for i in range(6)],
+        gradient_as_bucket_view=False,
+        check_nonfinite=check_nonfinite,
+    )
+    storage = SimpleNamespace(buffer=torch.zeros(3), params=[], offsets=[], lengths=[])
+    return BucketPipeline(4, members, storage, shared, is_last=False)  # type: ignore[arg-type]
+
+
+class FailingFence(Fence):
+    def complete(self, bucket: int) -> object:
+        raise ConnectionError("peer closed")
+
+
+@pytest.mark.parametrize(
+    ("members", "listed"),
+    [([0, 1], "layer0.weight, layer1.weight"), ([5, 4, 3, 2], "layer5.weight, layer4.weight, layer3.weight, layer2.weight"),
+     ([0, 1, 2, 3, 4], "layer0.weight, layer1.weight, layer2.weight, layer3.weight, ...")],
+)
+def test_a_failed_completion_names_the_bucket_its_first_members_the_rank_and_who_is_behind(members: list[int], listed: str) -> None:
+    pipeline = _pipeline(members, FailingFence())
+    with pytest.raises(RuntimeError) as raised:
+        pipeline.write_back([True] * len(members), None, None)
+    assert str(raised.value) == (
+        f"The reduction of bucket 4 ({len(members)} parameters: {listed}) failed on rank 2: peer closed. Another rank "
+        "may have died or timed out. (rank 1 is behind, bucket 4) This iteration's gradients were not reduced; "
+        "the process group may no longer be usable."
+    )
+    assert isinstance(raised.value.__cause__, ConnectionError)
+
+
+def test_the_nonfinite_check_stops_the_launch_with_its_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    checked: list[tuple] = []
+
+    def found(index: int, members: list[int], *rest: object) -> FloatingPointError:
+        checked.append((index, members))
+        return FloatingPointError("layer0.weight is not finite")
+
+    monkeypatch.setattr(bucket_pipeline, "nonfinite_error", found)
+    fence = Fence()
+    pipeline = _pipeline([0], fence, check_nonfinite=True)
+    with pytest.raises(FloatingPointError, match="layer0.weight is not finite"):
+        pipeline.launch(None)
+    assert checked == [(4, [0])] and fence.in_flight() == [], "nothing launched"
+    monkeypatch.setattr(bucket_pipeline, "nonfinite_error", lambda *args: None)
+    pipeline.launch(None)
+    assert fence.in_flight() == [4]
+
+
+def test_without_the_check_nothing_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bucket_pipeline, "nonfinite_error", lambda *args: pytest.fail("checked"))
+    fence = Fence()
+    _pipeline([0], fence).launch(None)
+    assert fence.in_flight() == [4]
