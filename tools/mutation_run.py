@@ -98,7 +98,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "overlapddp/backend_support.py": ("tests/test_backend_checks.py", "tests/test_cuda_logic.py", "tests/test_errors.py", "tests/test_sparse.py"),
     "overlapddp/bucket_unscaler.py": ("tests/test_bucket_unscaler.py", "tests/test_optimizer_overlap.py", "tests/test_streams.py"),
     "overlapddp/optimizer_guard.py": ("tests/test_guard_detach.py", "tests/test_guard.py", "tests/test_cuda_logic.py"),
-    "overlapddp/optimizer_overlap.py": ("tests/test_optimizer_overlap.py", "tests/test_cuda_logic.py"),
+    "overlapddp/optimizer_overlap.py": ("tests/test_optimizer_overlap_one_rank.py", "tests/test_optimizer_overlap.py", "tests/test_cuda_logic.py"),
     "overlapddp/mixed_precision.py": ("tests/test_mixed_precision_casts.py", "tests/test_mixed_precision.py"),
     "overlapddp/token_weighting.py": ("tests/test_token_count.py", "tests/test_token_weighting.py", "tests/test_option_pairs.py"),
     "overlapddp/sparse_reduction.py": ("tests/test_sparse_storage.py", "tests/test_sparse.py"),

@@ -1,0 +1,93 @@
+"""Optimizer overlap on a one-rank group in the test process: bit-equal to DDP then ``step()`` with
+clipping and loss scaling, and every refusal, without a spawn (the 2- and 3-rank comparisons are in
+tests/test_optimizer_overlap.py, whose comparison this reuses)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from overlapddp import OverlapDDP
+from tests import models, test_optimizer_overlap
+from tests.test_optimizer_overlap import (
+    _compare,
+    _overlap_with_an_ignored_parameter,
+    _split_optimizers_with_an_ignored_parameter,
+)
+
+
+def _wrapped() -> OverlapDDP:
+    return OverlapDDP(models.build("mlp"), bucket_cap_mb=0.001)
+
+
+@pytest.mark.parametrize("max_grad_norm", (0.0, -1.0, float("nan")))
+def test_a_clipping_norm_that_is_not_positive_is_refused(one_rank: None, max_grad_norm: float) -> None:
+    model = _wrapped()
+    with pytest.raises(ValueError, match=f"max_grad_norm must be positive, got {max_grad_norm!r}"):
+        model.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), overlap=True, max_grad_norm=max_grad_norm)
+
+
+def test_a_fused_optimizer_is_refused(one_rank: None) -> None:
+    model = _wrapped()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt.param_groups[0]["fused"] = True  # as fused=True records it (a CPU build may not run fused kernels)
+    with pytest.raises(ValueError, match="A fused optimizer updates all parameters in one kernel; create it with fused=False"):
+        model.attach_optimizer(opt, overlap=True)
+
+
+def test_a_subclass_of_a_per_parameter_optimizer_is_refused_naming_it(one_rank: None) -> None:
+    class MySGD(torch.optim.SGD):
+        pass
+
+    model = _wrapped()
+    with pytest.raises(ValueError, match="MySGD cannot be overlapped bucket by bucket; overlap supports SGD, Adam, AdamW"):
+        model.attach_optimizer(MySGD(model.parameters(), lr=0.1), overlap=True)
+
+
+def test_a_closure_is_refused_and_step_counts_each_synchronized_backward_once(one_rank: None) -> None:
+    model = _wrapped()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.attach_optimizer(opt, overlap=True)
+    inputs, target = models.batch("mlp", 0, 0)
+    models.loss_of(model(inputs), target).backward()
+    with pytest.raises(NotImplementedError, match="cannot re-evaluate a closure"):
+        opt.step(lambda: 0.0)
+    opt.step()
+    with pytest.raises(RuntimeError, match="none has run since the last step"):
+        opt.step()
+
+
+def test_detach_gives_the_optimizer_its_own_step_back(one_rank: None) -> None:
+    model = _wrapped()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    overlapped = model.attach_optimizer(opt, overlap=True)
+    overlapped.detach()
+    before = [p.detach().clone() for p in model.parameters()]
+    inputs, target = models.batch("mlp", 0, 0)
+    models.loss_of(model(inputs), target).backward()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True)), "no update in backward"
+    opt.step()
+    assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True)), "step() updates"
+
+
+# The comparisons last: the refusals above fail in milliseconds.
+@pytest.mark.parametrize(("max_norm", "scaled"), [(None, False), (0.05, False), (None, True), (0.05, True)])
+def test_one_rank_overlapped_updates_equal_ddp_then_step(one_rank: None, max_norm: float | None, scaled: bool) -> None:
+    for case, equal in _compare(0, 1, max_norm=max_norm, scaled=scaled).items():
+        assert equal == [True] * 4, f"{case}: {equal}"
+
+
+def test_the_one_rank_comparison_catches_a_lost_bucket_update(one_rank: None) -> None:
+    assert not any(all(equal) for equal in _compare(0, 1, skip_last_bucket=True).values())
+
+
+def test_one_rank_with_an_infinite_step_skips_it_as_the_scaler_would(one_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(test_optimizer_overlap, "INF_RANK", 0)  # this one rank's loss is made infinite
+    for case, equal in _compare(0, 1, scaled=True).items():
+        assert equal == [True] * 4, f"{case}: {equal}"
+
+
+def test_one_rank_ignored_parameters_are_updated_and_clipped_as_with_ddp(one_rank: None) -> None:
+    assert _overlap_with_an_ignored_parameter(0, 1) == {"sgd": [True] * 4, "adam": [True] * 4}
+    for clip in (False, True):
+        assert _split_optimizers_with_an_ignored_parameter(0, 1, clip) == [True] * 4, f"clip={clip}"
