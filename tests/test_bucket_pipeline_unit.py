@@ -55,7 +55,7 @@ def _pipeline(members: list[int], fence: Fence, check_nonfinite: bool = False) -
     shared = SharedStages(
         fence=fence,
         reduction=SimpleNamespace(rank=2, process_group=None, hook_name="allreduce", start=lambda bucket: Future()),  # type: ignore[arg-type]
-        write_watch=SimpleNamespace(watchers=0),  # type: ignore[arg-type]
+        write_watch=SimpleNamespace(watchers=0, check=lambda bucket: None),  # type: ignore[arg-type]
         progress=SimpleNamespace(behind=lambda bucket: f" (rank 1 is behind, bucket {bucket})"),  # type: ignore[arg-type]
         names=[f"layer{i}.weight" for i in range(6)],
         gradient_as_bucket_view=False,
@@ -110,3 +110,54 @@ def test_without_the_check_nothing_is_checked(monkeypatch: pytest.MonkeyPatch) -
     fence = Fence()
     _pipeline([0], fence).launch(None)
     assert fence.in_flight() == [4]
+
+
+class Timing:
+    """The tuner's side of a measured bucket: what the pipeline reports to it, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self._ticks = 0
+
+    def now(self) -> int:
+        self._ticks += 1
+        return self._ticks
+
+    def bucket_launched(self, nbytes: int, tensors: int, started: float, launched: int, future: Future) -> None:
+        self.calls.append(("launched", nbytes, tensors, launched))
+
+    def bucket_finalized(self, reduced: int, worked: int) -> None:
+        self.calls.append(("finalized", reduced, worked))
+
+
+def test_while_measuring_the_tuner_hears_each_launchs_bytes_and_members_and_each_write_back() -> None:
+    fence = Fence()
+    pipeline = _pipeline([0, 1], fence)
+    pipeline.storage.buffer = torch.zeros(5, dtype=torch.float64)  # 40 bytes
+    pipeline.storage.copy_out = lambda result, write, as_view: None
+    pipeline._shared.reduction.start = lambda bucket: _resolved(bucket.buffer())
+    timing = Timing()
+    pipeline.launch(timing)  # type: ignore[arg-type]
+    pipeline.write_back([True, True], timing, None)  # type: ignore[arg-type]
+    assert timing.calls == [("launched", 40, 2, 1), ("finalized", 2, 3)]
+
+
+def test_without_the_tuner_nothing_is_timed() -> None:
+    fence = Fence()
+    pipeline = _pipeline([0], fence)
+    pipeline.storage.copy_out = lambda result, write, as_view: None
+    pipeline._shared.reduction.start = lambda bucket: _resolved(bucket.buffer())
+    pipeline.launch(None)
+    pipeline.write_back([True], None, None)
+    assert fence.in_flight() == []
+
+
+def _resolved(value: torch.Tensor) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+def test_params_is_the_storages_list() -> None:
+    pipeline = _pipeline([0], Fence())
+    assert pipeline.params is pipeline.storage.params

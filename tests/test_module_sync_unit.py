@@ -73,3 +73,31 @@ def test_the_same_model_everywhere_passes(monkeypatch: pytest.MonkeyPatch) -> No
     params = [torch.zeros(2, 3).t()]
     _ranks(monkeypatch, [("w", (3, 2), (1, 3), "torch.float32")])
     verify_same_parameters(["w"], params, None)  # type: ignore[arg-type]
+
+
+def test_a_chunk_after_a_break_starts_from_zero_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Byte-sized tensors land exactly on the limit: a running size off by one moves a tensor."""
+    monkeypatch.setattr(module_sync, "BROADCAST_BUCKET_BYTES", 16)
+    tensors = [torch.zeros(n, dtype=torch.uint8) for n in (8, 8, 1, 16)]
+    assert [[t.numel() for t in chunk] for chunk in _chunks(tensors)] == [[8, 8], [1], [16]]
+
+
+def test_a_rank_with_more_parameters_is_refused_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    mine = [("a", (2,), (1,), "torch.float32")]
+    _ranks(monkeypatch, mine + [("b", (3,), (1,), "torch.float32")])
+    with pytest.raises(RuntimeError, match="rank 1 has 2 parameters that require grad while rank 0 has 1"):
+        verify_same_parameters(["a"], [torch.zeros(2)], None)  # type: ignore[arg-type]
+
+
+def test_a_parameter_that_sorts_before_rank_0s_is_a_difference_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    _ranks(monkeypatch, [("a", (1,), (1,), "torch.float32")])
+    with pytest.raises(RuntimeError, match="parameter 0 differs: rank 0 has a with shape \\[2\\]"):
+        verify_same_parameters(["a"], [torch.zeros(2)], None)  # type: ignore[arg-type]
+
+
+def test_a_model_of_more_than_256_parameters_is_compared_by_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counts past the ints Python caches are different objects: only equality may compare them."""
+    params = [torch.zeros(1) for _ in range(300)]
+    names = [f"p{i}" for i in range(300)]
+    _ranks(monkeypatch, [(n, (1,), (1,), "torch.float32") for n in names])
+    verify_same_parameters(names, params, None)  # type: ignore[arg-type]

@@ -614,4 +614,27 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "the flag only moves a copy between two accelerator devices onto a side stream that the current "
         "stream then waits for (_recursive_to copies from the CPU plainly either way): the values are equal",
     ),
+    Equivalent(
+        "overlapddp/bucket_pipeline.py",
+        "if timing is not None and reduced_at is not None: => if timing is not None or reduced_at is not None:",
+        "reduced_at is stamped exactly when timing is given (the line after the wait), so both tests agree",
+    ),
+    Equivalent(
+        "overlapddp/bucket_pipeline.py",
+        "return self.missing == 0 => return self.missing <= 0",
+        "missing counts down from the member count once per member: the reducer refuses a second gradient "
+        "of one parameter in a backward before it reaches the pipeline, so it never goes below 0",
+    ),
+    Equivalent(
+        "overlapddp/module_sync.py",
+        "if chunks[-1] and size + nbytes > BROADCAST_BUCKET_BYTES: => if chunks[- 0] and size + nbytes > BROADCAST_BUCKET_BYTES:",  # noqa: E501 (the line as cosmic-ray changes it)
+        "chunks[-1] is empty only before the first tensor, when the one chunk is also chunks[0]; a chunk "
+        "appended later gets its tensor at once",
+    ),
+    Equivalent(
+        "overlapddp/module_sync.py",
+        "foreach_copy_(chunk, [piece.view_as(t) for piece, t in zip(pieces, chunk, strict=True)]) => "
+        "foreach_copy_(chunk, [piece.view_as(t) for piece, t in zip(pieces, chunk, strict=False)])",
+        "pieces is split by the chunk's own sizes, one piece per tensor: the lengths never differ",
+    ),
 )
