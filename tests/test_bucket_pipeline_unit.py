@@ -161,3 +161,37 @@ def _resolved(value: torch.Tensor) -> Future:
 def test_params_is_the_storages_list() -> None:
     pipeline = _pipeline([0], Fence())
     assert pipeline.params is pipeline.storage.params
+
+
+class Consumed(Fence):
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[list[torch.Tensor]] = []
+
+    def consumed(self, bucket: int, consumer: str, written: Any = ()) -> None:
+        self.written.append(list(written))
+
+
+def test_the_fence_hears_which_gradients_the_copy_out_wrote() -> None:
+    fence = Consumed()
+    pipeline = _pipeline([0, 1], fence)
+    with_grad, without = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+    with_grad.grad = torch.ones(1)
+    pipeline.storage.params = [with_grad, without]
+    pipeline.storage.copy_out = lambda result, write, as_view: None
+    pipeline._shared.reduction.start = lambda bucket: _resolved(bucket.buffer())
+    pipeline.launch(None)
+    pipeline.write_back([True, False], None, None)
+    assert len(fence.written) == 1 and len(fence.written[0]) == 1 and fence.written[0][0] is with_grad.grad
+
+
+def test_the_last_members_gradient_fills_the_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    fence = Fence()
+    pipeline = _pipeline([0, 1], fence)
+    filled: list[int] = []
+    pipeline._shared.reduction.copy_in = lambda storage: filled.append(len(filled))
+    fence.produced = lambda bucket, buffer: None  # type: ignore[method-assign]
+    assert pipeline.gradient_ready() is False and not pipeline.filled and filled == []
+    assert pipeline.gradient_ready() is True and pipeline.filled and filled == [0]
+    pipeline.reset()
+    assert not pipeline.filled and pipeline.missing == 2

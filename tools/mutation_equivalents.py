@@ -637,4 +637,33 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "foreach_copy_(chunk, [piece.view_as(t) for piece, t in zip(pieces, chunk, strict=False)])",
         "pieces is split by the chunk's own sizes, one piece per tensor: the lengths never differ",
     ),
+    Equivalent(
+        "overlapddp/bucket_pipeline.py",
+        "check_nonfinite: bool = False  # before each launch (a debug option): see gradient_checks.nonfinite_error => "
+        "check_nonfinite: bool = True  # before each launch (a debug option): see gradient_checks.nonfinite_error",
+        "the default is never used: the reducer, which builds every SharedStages, passes check_nonfinite",
+    ),
+    Equivalent(
+        "overlapddp/module_sync.py",
+        "if chunks[-1] and size + nbytes > BROADCAST_BUCKET_BYTES: => if chunks[not 1] and size + nbytes > BROADCAST_BUCKET_BYTES:",  # noqa: E501 (the line as cosmic-ray changes it)
+        "chunks[not 1] is chunks[0]; chunks[-1] is empty only before the first tensor, when it is also chunks[0]",
+    ),
+    Equivalent(
+        "overlapddp/module_sync.py",
+        "mine = [(name, tuple(p.shape), tuple(p.stride()), str(p.dtype)) for name, p in zip(names, params, strict=True)] => "
+        "mine = [(name, tuple(p.shape), tuple(p.stride()), str(p.dtype)) for name, p in zip(names, params, strict=False)]",
+        "the reducer names each of its parameters: its names and params lists are built together, one entry each",
+    ),
+    Equivalent(
+        "overlapddp/module_sync.py",
+        "for index, (ours, other) in enumerate(zip(reference, theirs, strict=True)): => "
+        "for index, (ours, other) in enumerate(zip(reference, theirs, strict=False)):",
+        "the lengths were compared on the line before, which raises when they differ",
+    ),
+    Equivalent(
+        "overlapddp/module_sync.py",
+        "everyone = gather_objects(mine, process_group, params[0].device) => "
+        "everyone = gather_objects(mine, process_group, params[ -1].device)",
+        "construction refuses a module whose parameters are on several devices: the first one's device is the last one's",
+    ),
 )
