@@ -666,4 +666,15 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "everyone = gather_objects(mine, process_group, params[ -1].device)",
         "construction refuses a module whose parameters are on several devices: the first one's device is the last one's",
     ),
+    Equivalent(
+        "overlapddp/bucket_pipeline.py",
+        "if TYPE_CHECKING: => if not TYPE_CHECKING:",
+        "the guarded import names a type used only in annotations, which this module never evaluates "
+        "(from __future__ import annotations); importing it at run time binds a name nothing reads",
+    ),
+    Equivalent(
+        "overlapddp/bucket_pipeline.py",
+        "value = value[0] => value = value[ -1]",
+        "the line runs only for a list or tuple of exactly one element (checked on the line before)",
+    ),
 )
