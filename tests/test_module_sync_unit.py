@@ -101,3 +101,10 @@ def test_a_model_of_more_than_256_parameters_is_compared_by_value(monkeypatch: p
     names = [f"p{i}" for i in range(300)]
     _ranks(monkeypatch, [(n, (1,), (1,), "torch.float32") for n in names])
     verify_same_parameters(names, params, None)  # type: ignore[arg-type]
+
+
+def test_the_default_chunk_holds_250_mib_exactly() -> None:
+    """DDP's broadcast bucket size, to the byte; meta tensors have sizes and no memory."""
+    quarter_gib = 125 * 1024 * 1024 // 4  # float32 elements in 125 MiB
+    half, byte = torch.empty(quarter_gib, device="meta"), torch.empty(1, dtype=torch.uint8, device="meta")
+    assert [len(chunk) for chunk in _chunks([half, half, byte, half])] == [2, 2], "one byte past the limit"
