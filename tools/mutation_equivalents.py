@@ -609,12 +609,6 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "and '!=' agree",
     ),
     Equivalent(
-        "overlapddp/torch_compat.py",
-        "return helper(inputs, kwargs, device, False) => return helper(inputs, kwargs, device, True)",
-        "the flag only moves a copy between two accelerator devices onto a side stream that the current "
-        "stream then waits for (_recursive_to copies from the CPU plainly either way): the values are equal",
-    ),
-    Equivalent(
         "overlapddp/bucket_pipeline.py",
         "if timing is not None and reduced_at is not None: => if timing is not None or reduced_at is not None:",
         "reduced_at is stamped exactly when timing is given (the line after the wait), so both tests agree",
