@@ -317,7 +317,8 @@ def test_delay_parameter_gathers_delays_only_the_named_ranks_launches(rank: int,
         pass
 
 
-def test_the_synchronous_reference_needs_a_process_group() -> None:
+def test_the_synchronous_reference_needs_a_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(testing, "dist", SimpleNamespace(group=SimpleNamespace(WORLD=None)))  # whatever ran before
     with pytest.raises(RuntimeError, match="needs a process group"):
         SynchronousReference(torch.nn.Linear(1, 1))
 
