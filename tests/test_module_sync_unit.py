@@ -80,6 +80,8 @@ def test_a_chunk_after_a_break_starts_from_zero_bytes(monkeypatch: pytest.Monkey
     monkeypatch.setattr(module_sync, "BROADCAST_BUCKET_BYTES", 16)
     tensors = [torch.zeros(n, dtype=torch.uint8) for n in (8, 8, 1, 16)]
     assert [[t.numel() for t in chunk] for chunk in _chunks(tensors)] == [[8, 8], [1], [16]]
+    just_fits = [torch.zeros(n, dtype=torch.uint8) for n in (8, 8, 1, 15)]
+    assert [[t.numel() for t in chunk] for chunk in _chunks(just_fits)] == [[8, 8], [1, 15]]
 
 
 def test_a_rank_with_more_parameters_is_refused_too(monkeypatch: pytest.MonkeyPatch) -> None:
