@@ -5,7 +5,6 @@ error, and that the unfenced fence really hands out unfinished buffers."""
 from __future__ import annotations
 
 import threading
-import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -71,8 +70,29 @@ class Recorder(Fence):
 def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """The host sleeps the tools ask for, recorded instead of slept."""
     slept: list[float] = []
-    monkeypatch.setattr(testing.time, "sleep", slept.append)
+    monkeypatch.setattr(testing, "time", SimpleNamespace(sleep=slept.append))  # testing's own name only
     return slept
+
+
+class HeldTimer:
+    """A ``threading.Timer`` that the test fires by hand: the delay is read, never waited for."""
+
+    def __init__(self, held: list["HeldTimer"], interval: float, function: Any, args: tuple = ()) -> None:
+        self.interval, self.function, self.args, self.daemon = interval, function, args, False
+        held.append(self)
+
+    def start(self) -> None:
+        pass
+
+    def fire(self) -> None:
+        self.function(*self.args)
+
+
+@pytest.fixture
+def held_timers(monkeypatch: pytest.MonkeyPatch) -> list[HeldTimer]:
+    held: list[HeldTimer] = []
+    monkeypatch.setattr(testing, "threading", SimpleNamespace(Timer=lambda *a, **k: HeldTimer(held, *a, **k)))
+    return held
 
 
 def test_a_delay_refuses_an_unknown_stage_and_a_negative_time() -> None:
@@ -140,14 +160,24 @@ def test_a_completion_delay_needs_the_bucket_produced_first() -> None:
         fence.launch(3, lambda: _done(None))
 
 
-def test_a_completion_delay_resolves_late_from_a_timer_with_the_collectives_value() -> None:
+def test_a_completion_delay_resolves_late_from_a_timer_with_the_collectives_value(
+    sleeps: list[float], held_timers: list[HeldTimer]
+) -> None:
     fence = DelayedFence(Fence(), 0.2, "completion")
     fence.produced(0, torch.zeros(1))
-    launched = time.perf_counter()
     fence.launch(0, lambda: _done(["reduced"]))
-    assert time.perf_counter() - launched < 0.15, "the launching thread is not delayed"
+    assert sleeps == [], "the launching thread is not delayed"
+    assert [timer.interval for timer in held_timers] == [0.2] and held_timers[0].daemon
+    assert fence.in_flight() == [0]
+    held_timers[0].fire()
     assert fence.complete(0) == ["reduced"]
-    assert time.perf_counter() - launched >= 0.2, "the result came no earlier than the delay"
+
+
+def test_a_late_future_is_unset_until_its_timer_fires(held_timers: list[HeldTimer]) -> None:
+    late = testing._resolved_from_a_timer(_done(3), 0.2)
+    assert not late.done(), "the result came no earlier than the delay"
+    held_timers[0].fire()
+    assert late.wait() == 3
 
 
 def test_a_late_future_carries_the_collectives_error_to_its_waiter() -> None:
@@ -173,11 +203,17 @@ def test_a_pending_delay_never_keeps_the_process_alive(monkeypatch: pytest.Monke
 
 def test_a_late_future_is_set_from_a_timer_thread_not_the_attaching_one() -> None:
     setters: list[str] = []
+    called = threading.Event()
+
+    def record(_: Future) -> None:
+        setters.append(threading.current_thread().name)
+        called.set()
+
     late = testing._resolved_from_a_timer(_done(7), 0.01)
-    late.add_done_callback(lambda _: setters.append(threading.current_thread().name))
+    late.add_done_callback(record)
     assert late.wait() == 7
-    time.sleep(0.05)
-    assert setters and setters[0] != threading.current_thread().name
+    assert called.wait(10), "the late future's callbacks ran"
+    assert setters[0] != threading.current_thread().name
 
 
 def test_on_cuda_a_completion_delay_writes_the_result_late_on_the_callbacks_stream(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -192,7 +228,7 @@ def test_on_cuda_a_completion_delay_writes_the_result_late_on_the_callbacks_stre
     assert torch.equal(alone, reduced) and alone is not reduced
     assert slept == [0.3, 0.3, 0.3]
     host: list[float] = []
-    monkeypatch.setattr(testing.time, "sleep", host.append)
+    monkeypatch.setattr(testing, "time", SimpleNamespace(sleep=host.append))
     assert testing._written_late_on_stream(_done(None), 0.4) is None and host == [0.4], "no tensor: the callback waits"
 
 
@@ -224,9 +260,9 @@ def test_the_unfenced_fence_hands_out_the_buffer_of_an_unfinished_collective_and
     fence.launch(0, lambda: running)
     assert fence.complete(0) is buffer and not running.done()
     assert fence.in_flight() == []
-    drained = threading.Thread(target=fence.drain)
+    drained = threading.Thread(target=fence.drain, daemon=True)
     drained.start()
-    time.sleep(0.05)
+    drained.join(0.2)
     assert drained.is_alive(), "drain waits for the collective"
     running.set_result(None)
     drained.join(5)
