@@ -100,6 +100,8 @@ class ProgressRecord:
         mine = self._mine
         backward = mine.reductions + (0 if after_reduction else 1)
         self._write(Position(mine.iteration, mine.reductions, mine.dropped, mine.last_dropped, (backward, bucket)))
+        if self._store is None:  # that write failed: the store went with a rank that died
+            return " The ranks' progress records could not be read (the store took no write)."
         deadline = time.monotonic() + GRACE_S
         while True:
             try:

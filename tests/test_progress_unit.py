@@ -352,6 +352,19 @@ def test_an_unreadable_store_is_said_instead_of_the_ranks(monkeypatch: pytest.Mo
     assert clock.sleeps == []
 
 
+def test_a_store_lost_during_the_report_is_said_instead_of_every_rank_being_there(
+    monkeypatch: pytest.MonkeyPatch, clock: FakeClock
+) -> None:
+    """The store answered until this error's own record: no rank can be read, so none is said to be there."""
+    store = FakeStore()
+    record = _record(monkeypatch, store, rank=0, size=2)
+    record.forward(2, 1, False)
+    _peer(store, 1, [2, 1, 0, None, [2, 0]])
+    store.fail_set = True
+    assert record.behind(0) == " The ranks' progress records could not be read (the store took no write)."
+    assert clock.sleeps == []
+
+
 # -- the grace for a rank at the same position -----------------------------------------------------
 
 
