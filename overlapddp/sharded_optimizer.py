@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import types
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, cast
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -175,13 +175,15 @@ class ShardedOptimizer:
     def _reduce_scatter(self, bucket: Bucket) -> torch.futures.Future:
         """The bucket's collective: the scaled, padded buffer summed into this rank's slice of it."""
         index = bucket.index()
-        state = self._buckets[index]
         buffer = bucket.buffer()
-        if self._reducer.plan is not self._plan or buffer.numel() != state.shard.padded_length:
+        if self._reducer.plan is not self._plan:
+            now = self._listed(self._reducer.plan.buckets[index])
+            built_for = self._listed(self._plan.buckets[index]) if index < len(self._plan.buckets) else "no bucket"
             raise RuntimeError(
-                f"Bucket {index} on rank {self.rank} has {buffer.numel()} elements, but its shard layout expects "
-                f"{state.shard.padded_length}: the buckets changed without a forward in between."
+                f"Bucket {index} on rank {self.rank} holds {now} ({buffer.numel()} elements), but the shard layout "
+                f"was built for {built_for}: the buckets changed without a forward in between."
             )
+        state = self._buckets[index]
         state.buffer = buffer
         return reduce_to_shard(buffer, self.rank, self._group, self._backend)
 
@@ -287,13 +289,16 @@ class ShardedOptimizer:
                      zip(members, shard.offsets, strict=True)],
                 )
 
+    def _listed(self, members: Sequence[int]) -> str:
+        """A bucket's parameters for an error: how many, and the first four names."""
+        names = [self._reducer.names[i] for i in members]
+        return f"{len(names)} parameters: " + ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+
     def _gather_failed(self, index: int, error: Exception) -> RuntimeError:
         """The error for a failed all-gather: the bucket, this rank, and (from the progress records)
         the ranks behind."""
-        names = [self._reducer.names[i] for i in self._plan.buckets[index]]
-        listed = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
         return RuntimeError(
-            f"The all-gather of the updated parameters of bucket {index} ({len(names)} parameters: {listed}) "
+            f"The all-gather of the updated parameters of bucket {index} ({self._listed(self._plan.buckets[index])}) "
             f"failed on rank {self.rank}: {error}. Another rank may have died or timed out."
             f"{self._reducer.progress.behind(index, after_reduction=True)} These parameters hold their values "
             "from before the last update on this rank; the process group may no longer be usable."

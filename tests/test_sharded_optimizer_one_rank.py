@@ -557,18 +557,22 @@ def test_an_iteration_dropped_mid_reduction_leaves_no_clipping_state_behind(
 
 
 @pytest.mark.parametrize("ready_order, sizes", [
-    ([0, 1, 2, 3, 4, 5], "1024 elements, but its shard layout expects 650"),  # [[0], [1, 2], [3, 4], [5]]
-    ([5, 4, 1, 2, 3, 0], "650 elements, but its shard layout expects 650"),  # [[5, 4], [1, 2], [3, 0]]: same sizes
+    # [[0], [1, 2], [3, 4], [5]]
+    ([0, 1, 2, 3, 4, 5], "1 parameters: 0.weight \\(1024 elements\\)"),
+    # [[5, 4], [1, 2], [3, 0]]: the same sizes
+    ([5, 4, 1, 2, 3, 0], "2 parameters: 4.bias, 4.weight \\(650 elements\\)"),
 ], ids=["other_sizes", "same_sizes_other_order"])
 def test_buckets_changed_between_forward_and_backward_are_refused(one_rank: None, ready_order: list[int], sizes: str) -> None:
     """A layout restored after the forward: the backward's buckets are not those the shards follow
-    ([[5, 4], [3, 2], [1, 0]], rebuilt at that forward), even where their sizes happen to match."""
+    ([[5, 4], [3, 2], [1, 0]], rebuilt at that forward), even where their sizes happen to match; the
+    error names what the bucket holds now and what the layout was built for."""
     _, _, ours, our_opt, _ = _pair("mlp", _sgd)
     _step_both("mlp", ((ours, our_opt),), 0)
     inputs, target = models.batch("mlp", 0, 1)
     loss = models.loss_of(ours(inputs), target)
     ours.load_bucket_state({"ready_order": ready_order})
-    with pytest.raises(RuntimeError, match=rf"Bucket 0 on rank 0 has {sizes}: the buckets changed without a "
+    with pytest.raises(RuntimeError, match=rf"Bucket 0 on rank 0 holds {sizes}, but the shard layout was built "
+                                           r"for 2 parameters: 4.bias, 4.weight: the buckets changed without a "
                                            "forward in between"):
         loss.backward()
 
