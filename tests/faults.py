@@ -1,4 +1,4 @@
-"""Deliberate bugs, injected in a rank process only, to prove that parity tests can fail.
+"""Deliberate bugs, injected for one scenario (in a rank process, or the test process on one rank), to prove that parity tests can fail.
 
 Each fault breaks one rule DDP's numbers depend on; a parity test that still passes with a fault
 on is not testing that rule.
