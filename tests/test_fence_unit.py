@@ -39,6 +39,8 @@ def test_a_log_in_order_has_no_violation_and_a_second_consumer_is_allowed() -> N
         (_cycle(0, 3)[:2] + [_edge(0, 3, "consumed")], "'consumed' by actor after ['produced', 'launched']"),
         (_cycle(0, 0) + [_edge(0, 0, "produced")], "'produced' by actor after ['produced', 'launched', 'completed', 'consumed']"),
         (_cycle(0, 0)[:3] + [_edge(0, 0, "completed")], "'completed' by actor after ['produced', 'launched', 'completed']"),
+        (_cycle(0, 0) + [_edge(0, 0, "completed")],  # only a second consumer may follow a consumer
+         "'completed' by actor after ['produced', 'launched', 'completed', 'consumed']"),
     ],
 )
 def test_each_edge_out_of_order_is_named_with_what_came_before(edges: list[FenceEdge], problem: str) -> None:
