@@ -56,6 +56,8 @@ def test_a_buffer_produced_into_while_its_collective_runs_is_a_violation_until_i
     assert FenceLog(other_buffer).violations() == []
     after_completion = _cycle(0, 0, buffer=7)[:3] + [_edge(0, 1, "produced", buffer=7)]
     assert FenceLog(after_completion).violations() == []
+    never_launched = _cycle(0, 0, buffer=7)[:1] + [_edge(0, 1, "produced", buffer=7)]
+    assert FenceLog(never_launched).violations() == [], "only a launch makes a buffer busy"
 
 
 def test_a_bucket_launched_twice_or_completed_unlaunched_is_refused_naming_it() -> None:
