@@ -20,6 +20,12 @@ class FakeStream:
     def __repr__(self) -> str:
         return self.name
 
+    def __eq__(self, other: object) -> bool:  # torch.cuda.Stream compares by stream, not by object
+        return isinstance(other, FakeStream) and other.kit is self.kit and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
 
 class FakeEvent:
     def __init__(self, kit: "RecordingKit", name: str) -> None:
@@ -64,7 +70,8 @@ class RecordingKit:
         return FakeEvent(self, f"e{self._events}")
 
     def current_stream(self) -> FakeStream:
-        return self.current
+        """A new object for the same stream each call, as ``torch.cuda.current_stream()`` returns."""
+        return FakeStream(self, self.current.name)
 
     @contextmanager
     def use(self, stream: FakeStream) -> Iterator[FakeStream]:
