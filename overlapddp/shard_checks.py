@@ -112,6 +112,8 @@ def _check_parameters(optimizer: torch.optim.Optimizer, request: ShardRequest) -
             "but are not in the optimizer: with shard=True no rank holds their full reduced gradient for another "
             "optimizer to step. Put every parameter in this optimizer, or attach without shard=True."
         )
-    odd = [name for p, name in zip(request.params, request.names, strict=True) if not is_dense_permutation(p)]
+    # A parameter of 0 elements has no memory to cut, whatever its strides (shape (4, 0) has (1, 1)).
+    odd = [name for p, name in zip(request.params, request.names, strict=True)
+           if p.numel() and not is_dense_permutation(p)]
     if odd:
         raise ValueError(f"Parameters {', '.join(odd[:4])} are not dense in memory; shard=True cuts their memory.")

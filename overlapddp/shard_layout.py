@@ -5,6 +5,12 @@ Each bucket's flat buffer is padded with zeros to a multiple of the world size a
 ``S = padded_length / world_size``. A parameter occupies one contiguous slot of its bucket, so it
 meets a shard in at most one contiguous *piece*; the rank's optimizer updates its pieces. No
 collectives, no tensors: every rank computes every rank's plan alike.
+
+A parameter of 0 elements meets no shard, yet DDP's optimizer steps it (an empty gradient, an
+entry in its state): it gets an empty piece (length 0) on exactly one rank, so that one inner
+optimizer steps it and its state has one home. The owner is the rank whose shard holds the
+parameter's offset in the bucket, ``offset // S``; the last rank when the offset is the end of a
+bucket without padding (no shard holds it); rank 0 when the bucket has no elements (``S = 0``).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ class Piece:
 
     param: int  # index of the parameter (in the reducer's parameter list)
     start: int  # first element of the parameter (in memory order) that the piece holds
-    length: int  # number of elements
+    length: int  # number of elements (0 only for a parameter of 0 elements)
     shard_offset: int  # where the piece starts in the rank's shard
 
 
@@ -55,8 +61,15 @@ def plan_bucket(bucket: int, members: Sequence[int], lengths: Sequence[int], wor
         begin, end = max(offset, lo), min(offset + length, hi)
         if begin < end:
             pieces.append(Piece(param, begin - offset, end - begin, begin - lo))
+        elif length == 0 and _owner_of_empty(offset, size, world_size) == rank:
+            pieces.append(Piece(param, 0, 0, offset - lo))
         offset += length
     return BucketShard(bucket, padded, size, tuple(offsets), tuple(pieces))
+
+
+def _owner_of_empty(offset: int, shard_length: int, world_size: int) -> int:
+    """The rank that holds the empty piece of a 0-element parameter at ``offset`` (see the module's docstring)."""
+    return min(offset // shard_length, world_size - 1) if shard_length else 0
 
 
 def plan_shards(

@@ -104,6 +104,26 @@ class DeepMLP(nn.Module):
         return self.head(torch.relu(self.layers[3](x)))
 
 
+class WithEmptyParameters(nn.Module):
+    """Parameters of 0 elements, used (so DDP's optimizer steps them), of shapes (0,), (0, 4) and
+    (4, 0). Before the rebuild (one bucket, 2796 elements, registration order) they lie at its start,
+    in its middle and at its end; after it (``bucket_cap_mb=0.01``, ready order) at the start and in
+    the middle of the first bucket, and ``alone``, ready last, in a bucket of 0 elements."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Parameter(torch.zeros(0))
+        self.alone = nn.Parameter(torch.zeros(0))
+        self.hidden = nn.Linear(16, 96)
+        self.middle = nn.ParameterList([nn.Parameter(torch.zeros(0, 4))])  # registered after hidden
+        self.out = nn.Linear(96, 12)
+        self.last = nn.ParameterList([nn.Parameter(torch.zeros(4, 0))])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.hidden(x * (1 + self.alone.sum())) + self.middle[0].sum())
+        return self.out(hidden) + self.first.sum() + self.last[0].sum()
+
+
 def _tanh_layer(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.tanh(layer(x))
 
@@ -147,13 +167,16 @@ def build(name: str) -> nn.Module:
         return DeepMLP()
     if name == "tangled_mlp":
         return DeepMLP(tangle=True)
+    if name == "empty_parameters":
+        return WithEmptyParameters()
     raise ValueError(f"unknown test model {name!r}")
 
 
 def batch(name: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets that differ per rank and per step, the same for every wrapper."""
     g = torch.Generator().manual_seed(1000 * step + rank)
-    if name in ("mlp", "branchy", "branchy_fixed", "checkpointed", "rank_ordered", "deep_mlp", "tangled_mlp"):
+    if name in ("mlp", "branchy", "branchy_fixed", "checkpointed", "rank_ordered", "deep_mlp", "tangled_mlp",
+                "empty_parameters"):
         return torch.randn(8, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
     if name in ("cnn_bn", "cnn_frozen", "cnn_channels_last"):
         return torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)

@@ -61,6 +61,12 @@ def test_parameters_not_dense_in_memory_are_listed_four_at_most():
         check_shardable(torch.optim.SGD(params, lr=0.1), _request(params))
 
 
+def test_parameters_of_0_elements_are_accepted_whatever_their_strides():
+    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in ((0,), (0, 4), (4, 0), (3, 0, 2))]
+    assert params[2].stride() == (1, 1)  # not a dense permutation, but nothing to cut
+    check_shardable(torch.optim.SGD(params, lr=0.1), _request(params))
+
+
 def test_a_request_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         _request(_params(1)).backend = "nccl"  # type: ignore[misc]

@@ -57,3 +57,56 @@ def test_padding_and_bad_ranks():
 def test_a_rank_outside_the_world_is_refused(world_size, rank):
     with pytest.raises(ValueError, match=f"got rank {rank} and world_size {world_size}"):
         plan_bucket(0, [0], [4], world_size, rank)
+
+
+# -- parameters of 0 elements: one empty piece each, on one rank -----------------------------------
+
+
+def _owner_by_definition(offset: int, total: int, world_size: int) -> int:
+    """The rank whose shard ``[r * S, (r + 1) * S)`` holds ``offset``; past every shard the last rank;
+    in a bucket of no elements rank 0."""
+    size = -(-total // world_size)
+    holders = [rank for rank in range(world_size) if rank * size <= offset < (rank + 1) * size]
+    return holders[0] if holders else (world_size - 1 if size else 0)
+
+
+def _pieces_per_rank(lengths: list[int], world_size: int) -> list[tuple[Piece, ...]]:
+    return [plan_bucket(0, list(range(len(lengths))), lengths, world_size, rank).pieces for rank in range(world_size)]
+
+
+@pytest.mark.parametrize("lengths, world_size, expected", [
+    ([0, 5, 0, 3, 0], 1, [(Piece(0, 0, 0, 0), Piece(1, 0, 5, 0), Piece(2, 0, 0, 5), Piece(3, 0, 3, 5), Piece(4, 0, 0, 8))]),
+    # 8 elements, shards of 4: the last offset (8) is the end of the last shard, held by no rank
+    ([0, 5, 0, 3, 0], 2, [(Piece(0, 0, 0, 0), Piece(1, 0, 4, 0)),
+                          (Piece(1, 4, 1, 0), Piece(2, 0, 0, 1), Piece(3, 0, 3, 1), Piece(4, 0, 0, 4))]),
+    # padded to 9, shards of 3: the last offset (8) lies in rank 2's shard, in front of its padding
+    ([0, 5, 0, 3, 0], 3, [(Piece(0, 0, 0, 0), Piece(1, 0, 3, 0)),
+                          (Piece(1, 3, 2, 0), Piece(2, 0, 0, 2), Piece(3, 0, 1, 2)),
+                          (Piece(3, 1, 2, 0), Piece(4, 0, 0, 2))]),
+    ([4, 0, 4], 2, [(Piece(0, 0, 4, 0),), (Piece(1, 0, 0, 0), Piece(2, 0, 4, 0))]),  # on a cut: the next rank
+    ([0, 0], 1, [(Piece(0, 0, 0, 0), Piece(1, 0, 0, 0))]),  # a bucket of no elements: rank 0
+    ([0, 0], 2, [(Piece(0, 0, 0, 0), Piece(1, 0, 0, 0)), ()]),
+    ([0, 0], 3, [(Piece(0, 0, 0, 0), Piece(1, 0, 0, 0)), (), ()]),
+], ids=["start-middle-end-1", "start-middle-end-2", "start-middle-end-3", "on-a-cut-2", "only-empty-1",
+        "only-empty-2", "only-empty-3"])
+def test_a_parameter_of_0_elements_has_one_empty_piece_on_the_rank_whose_shard_holds_its_offset(
+    lengths, world_size, expected
+):
+    assert _pieces_per_rank(lengths, world_size) == expected
+
+
+@pytest.mark.parametrize("world_size", (1, 2, 3, 5))
+def test_every_parameter_of_0_elements_has_exactly_one_empty_piece_within_its_owners_shard(world_size):
+    rng = random.Random(100 + world_size)
+    for _ in range(50):
+        lengths = [rng.choice((0, 0, rng.randint(1, 12))) for _ in range(rng.randint(1, 8))]
+        shards = [plan_bucket(7, list(range(len(lengths))), lengths, world_size, r) for r in range(world_size)]
+        for param, length in enumerate(lengths):
+            if length:
+                continue
+            offset = sum(lengths[:param])
+            held = [(rank, piece) for rank, shard in enumerate(shards) for piece in shard.pieces if piece.param == param]
+            owner = _owner_by_definition(offset, sum(lengths), world_size)
+            size = shards[0].shard_length
+            assert held == [(owner, Piece(param, 0, 0, offset - owner * size))], (lengths, param)
+            assert 0 <= offset - owner * size <= size

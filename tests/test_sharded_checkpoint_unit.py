@@ -38,3 +38,36 @@ def test_a_checkpoint_of_the_same_shapes_loads_its_values(one_rank, tmp_path):
     saved, got = source.local_state(), target.local_state()
     assert [(p.param, sorted(e)) for p, e in got] == [(p.param, sorted(e)) for p, e in saved]
     assert all(torch.equal(e[key], s[key]) for (_, e), (_, s) in zip(got, saved, strict=True) for key in e)
+
+
+class _WithEmptyParameters(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows = nn.Parameter(torch.zeros(0, 4))
+        self.linear = nn.Linear(4, 2)
+        self.columns = nn.Parameter(torch.zeros(4, 0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + self.rows.sum() + self.columns.sum()
+
+
+def _adam_after_two_steps(inputs: float):
+    model = OverlapDDP(_WithEmptyParameters(), bucket_cap_mb=1e-9)  # DDP's rebuild: every parameter alone
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    sharded = model.attach_optimizer(opt, shard=True)
+    for _ in range(2):
+        model(torch.full((3, 4), inputs)).sum().backward()
+        opt.step()
+    return sharded, opt
+
+
+def test_empty_pieces_of_parameters_of_0_elements_are_saved_and_loaded(one_rank, tmp_path):
+    """Their (empty) state is saved and loaded like any other's, in the parameter's shape."""
+    source, source_opt = _adam_after_two_steps(1.0)
+    save_sharded(source, tmp_path)
+    target, target_opt = _adam_after_two_steps(5.0)
+    load_sharded(target, tmp_path)
+    saved, got = source_opt.state_dict()["state"], target_opt.state_dict()["state"]
+    assert saved[0]["exp_avg"].shape == (0, 4) and saved[1]["exp_avg_sq"].shape == (4, 0)  # rows, columns
+    assert got.keys() == saved.keys() == {0, 1, 2, 3}
+    assert all(torch.equal(got[i][key], saved[i][key]) for i in saved for key in saved[i])

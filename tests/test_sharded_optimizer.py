@@ -70,6 +70,9 @@ CASES = {
     "resharded_after_two_steps": Case("transformer", lambda ps: torch.optim.Adam(ps, lr=1e-3), attach_after=2),
     "compiled_inner_adamw": Case("mlp", lambda ps: torch.optim.AdamW(ps, lr=1e-3), compiled="inner"),
     "compiled_outer_adamw_clipped": Case("mlp", lambda ps: torch.optim.AdamW(ps, lr=1e-3), compiled="outer", clip=0.05),
+    # Empty pieces owned by the first, a middle and the last rank, and in a bucket of 0 elements.
+    "zero_element_parameters": Case("empty_parameters",
+                                    lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, foreach=True)),
 }
 QUICK = ("sgd_momentum_wd_nesterov", "adam")  # the cases run with a delayed rank
 NORM_ULPS = 2  # the clipping norm from the shards is within this many ulps of clip_grad_norm_'s (see docs)

@@ -72,14 +72,12 @@ def _module_difference(ddp: nn.Module, ours: nn.Module, *, as_read: bool) -> str
     return None
 
 
-def _state_difference(mine: dict[str, Any], theirs: dict[str, Any], skip: frozenset[int] = frozenset()) -> str | None:
+def _state_difference(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
     """Where two optimizer state dicts differ (groups, entries, any tensor not ``torch.equal``), or None;
-    also whether ``mine`` (the sharded one's) lists its state by parameter index. ``skip``: parameter
-    indices whose entries are not compared."""
+    also whether ``mine`` (the sharded one's) lists its state by parameter index."""
     if mine["param_groups"] != theirs["param_groups"]:
         return f"param_groups {mine['param_groups']} != {theirs['param_groups']}"
-    mine_keys = set(mine["state"]) - skip
-    their_keys = set(theirs["state"]) - skip
+    mine_keys, their_keys = set(mine["state"]), set(theirs["state"])
     if mine_keys != their_keys:
         return f"state of parameters {sorted(mine_keys)} != {sorted(their_keys)}"
     if list(mine["state"]) != sorted(mine["state"]):  # a plain optimizer's order once every parameter stepped
@@ -245,7 +243,7 @@ def test_sharded_training_is_bit_equal_to_ddp_with_the_same_optimizer(one_rank: 
 
 
 class _WithEmptyParameter(nn.Module):
-    """A parameter of 0 elements, used: with one parameter per bucket, its bucket has no piece."""
+    """A parameter of 0 elements, used: with one parameter per bucket, its bucket has no element."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -257,16 +255,16 @@ class _WithEmptyParameter(nn.Module):
         return self.out(torch.relu(self.hidden(x))) + self.empty.sum()  # its gradient is ready first
 
 
-def test_a_bucket_without_pieces_is_skipped_by_updates_and_loads(one_rank: None) -> None:
-    """After the rebuild the empty parameter's bucket comes first and has no inner optimizer: the
-    buckets after it must still be updated, and must still load a state dict."""
+def test_a_parameter_of_0_elements_is_stepped_saved_and_loaded_as_by_ddp(one_rank: None) -> None:
+    """After the rebuild the empty parameter is alone in the first bucket (no element): its empty
+    piece there is stepped, so its (empty) state is DDP's, across a plain checkpoint loaded at step 1
+    too, and the buckets after it still update and load."""
     torch.manual_seed(0)
     ddp = DistributedDataParallel(_WithEmptyParameter(), bucket_cap_mb=ONE_PER_BUCKET)
     torch.manual_seed(0)
     ours = OverlapDDP(_WithEmptyParameter(), bucket_cap_mb=ONE_PER_BUCKET)
     ddp_opt, our_opt = _adam(ddp.parameters()), _adam(ours.parameters())
     sharded = ours.attach_optimizer(our_opt, shard=True)
-    empty = frozenset({0})  # the plain optimizer keeps (empty) state for it, the shards none: not compared
     for step in range(4):
         inputs, target = models.batch("mlp", 0, step)
         for wrapper, opt in ((ours, our_opt), (ddp, ddp_opt)):
@@ -274,16 +272,17 @@ def test_a_bucket_without_pieces_is_skipped_by_updates_and_loads(one_rank: None)
             opt.step()
             opt.zero_grad()
         if step == 1:
-            assert ours.bucket_indices()[0] == [0] and sharded._buckets[0].inner is None
+            assert ours.bucket_indices()[0] == [0] and sharded._buckets[0].shard.shard_length == 0
             checkpoint = copy.deepcopy(ddp_opt.state_dict())
+            assert 0 in checkpoint["state"]  # the plain optimizer's entry for the empty parameter
             checkpoint["param_groups"][0]["lr"] = 3e-2
             ddp_opt.load_state_dict(copy.deepcopy(checkpoint))
             our_opt.load_state_dict(checkpoint)
         assert _module_difference(ddp, ours, as_read=False) is None, f"step {step}"
-        assert _state_difference(our_opt.state_dict(), ddp_opt.state_dict(), skip=empty) is None, f"step {step}"
+        assert _state_difference(our_opt.state_dict(), ddp_opt.state_dict()) is None, f"step {step}"
     assert sharded.local_pieces() == [Piece(p, 0, ours.module.get_parameter(n).numel(), 0)
-                                      for p, n in ((4, "out.bias"), (3, "out.weight"), (2, "hidden.bias"),
-                                                   (1, "hidden.weight"))]
+                                      for p, n in ((0, "empty"), (4, "out.bias"), (3, "out.weight"),
+                                                   (2, "hidden.bias"), (1, "hidden.weight"))]
 
 
 # -- the unsharded state dict ---------------------------------------------------------------------
