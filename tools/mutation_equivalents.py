@@ -671,4 +671,25 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "value = value[0] => value = value[ -1]",
         "the line runs only for a list or tuple of exactly one element (checked on the line before)",
     ),
+    *(
+        Equivalent("overlapddp/layout_lifecycle.py", f"{line} => {line.replace(' is not ', ' != ').replace(' is ', ' == ')}",
+                   "LayoutPhase members are singletons without a custom __eq__: identity and equality agree")
+        for line in (
+            "if self.phase is LayoutPhase.AWAITING_REBUILD:",
+            "return self.phase is not LayoutPhase.AWAITING_REBUILD",
+            "if self.phase is LayoutPhase.AWAITING_REBUILD and self._options.static_graph and self._ready_order:",
+        )
+    ),
+    Equivalent(
+        "overlapddp/layout_lifecycle.py",
+        "if tuner is not None and tuned is not None: => if tuner is not None or tuned is not None:",
+        "_tuner_for returned (it raises otherwise) exactly when a tuned layout was given, so the tuner is set "
+        "exactly when tuned is: the two conditions are always equal",
+    ),
+    Equivalent(
+        "overlapddp/bucket_storage.py",
+        "if result is not self.buffer and chosen: => if result is not self.buffer or chosen:",
+        "the extra cases copy the buffer's views onto themselves (result is the buffer) or copy no tensor "
+        "at all (nothing chosen): neither writes a value",
+    ),
 )
