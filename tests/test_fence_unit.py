@@ -27,7 +27,8 @@ def _done(value: object) -> Future:
 
 
 def test_a_log_in_order_has_no_violation_and_a_second_consumer_is_allowed() -> None:
-    edges = _cycle(0, 0) + [_edge(0, 0, "consumed"), _edge(0, -1, BACKWARD_END)] + _cycle(0, 1, 2) + _cycle(1, 0)
+    more_consumers = [_edge(0, 0, "consumed"), _edge(0, 0, "consumed")]
+    edges = _cycle(0, 0) + more_consumers + [_edge(0, -1, BACKWARD_END)] + _cycle(0, 1, 2) + _cycle(1, 0)
     assert FenceLog(edges).violations() == []
 
 
@@ -154,3 +155,23 @@ def test_the_fence_follows_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
         fence.launch(bucket, lambda: _done(None))
         fence.complete(bucket)
     assert calls == [1, -2], "each fence got its waiter hook"
+
+
+def test_a_bucket_filled_from_two_streams_waits_for_each_before_its_copy() -> None:
+    """Backward accumulates a gradient on the stream its forward op ran on: the filling stream waits
+    on an event on every stream a bucket's gradients came from, and on none when they came from it."""
+    kit = RecordingKit()
+    fence = CudaFence(torch.device("cpu"), kit=kit)
+    fence.gradient_ready(0)
+    fence.gradient_ready(0)
+    with kit.use(kit.stream("side")):
+        fence.gradient_ready(0)
+    fence.filling(0)
+    assert [(c[1], c[2]) for c in kit.calls if c[0] == "record"] == [("e1", "main"), ("e2", "side")]
+    assert [c for c in kit.calls if c[0] == "wait_event"] == [
+        ("wait_event", "main", "e1", "gradient"), ("wait_event", "main", "e2", "gradient")]
+    kit.calls.clear()
+    fence.gradient_ready(1)
+    fence.gradient_ready(1)
+    fence.filling(1)
+    assert kit.calls == [], "one stream: no event, no wait"

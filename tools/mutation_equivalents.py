@@ -692,4 +692,13 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "the extra cases copy the buffer's views onto themselves (result is the buffer) or copy no tensor "
         "at all (nothing chosen): neither writes a value",
     ),
+    *(
+        Equivalent("overlapddp/fence.py", change,
+                   "a fence records only the four bucket edges (and the backward's end, skipped before this line); "
+                   "of produced, launched, completed and consumed, only the named one compares so")
+        for change in (
+            'if e.edge == "produced" and e.buffer in busy: => if e.edge >= "produced" and e.buffer in busy:',
+            'if e.edge == "completed": => if e.edge <= "completed":',
+        )
+    ),
 )
