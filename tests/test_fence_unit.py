@@ -175,3 +175,16 @@ def test_a_bucket_filled_from_two_streams_waits_for_each_before_its_copy() -> No
     fence.gradient_ready(1)
     fence.filling(1)
     assert kit.calls == [], "one stream: no event, no wait"
+
+
+def test_an_abandoned_failed_collective_is_waited_on_the_communication_stream_and_dropped() -> None:
+    """Its error belongs to the dropped iteration (already reported): abandoning swallows it."""
+    kit = RecordingKit()
+    fence = CudaFence(torch.device("cpu"), kit=kit)
+    failed: Future = Future()
+    failed.set_exception(RuntimeError("gloo: connection closed"))
+    fence.produced(0, torch.zeros(1))
+    fence.launch(0, lambda: failed)
+    assert fence.abandon() == [0] and fence.in_flight() == []
+    waits = [c for c in kit.calls if c[0] == "wait_future"]
+    assert len(waits) == 1 and waits[0][1] != "main" and waits[0][2] == "collective"

@@ -701,4 +701,37 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
             'if e.edge == "completed": => if e.edge <= "completed":',
         )
     ),
+    Equivalent(
+        "overlapddp/bucket_storage.py",
+        "for view, grad in zip(self.views, grads, strict=True): => for view, grad in zip(self.views, grads, strict=False):",
+        "every caller passes one gradient per parameter of the storage ([p.grad for p in storage.params]), "
+        "and the zip that builds the copied pairs already checks the lengths strictly",
+    ),
+    *(
+        Equivalent("overlapddp/bucket_storage.py", change,
+                   "the flat buffer is one-dimensional: dimension -1 is dimension 0")
+        for change in (
+            "self.buffer = self.padded.narrow(0, 0, total) if padding else self.padded => "
+            "self.buffer = self.padded.narrow( -1, 0, total) if padding else self.padded",
+            "return flat.narrow(0, offset, like.numel()).view(like.shape) => "
+            "return flat.narrow( -1, offset, like.numel()).view(like.shape)",
+        )
+    ),
+    Equivalent(
+        "overlapddp/bucket_storage.py",
+        "if size == 1: => if size <= 1:",
+        "it differs only for a tensor with a dimension of size 0, which has no elements: its view and its "
+        "gradient are empty either way, and the gradient's strides are DDP's either way (shapes (4, 0), "
+        "(0, 4) and three permuted empty ones, with and without gradient_as_bucket_view)",
+    ),
+    *(
+        Equivalent("overlapddp/fence.py", change,
+                   "every edge name is a string literal that is a valid identifier (fence.py's own, or a "
+                   "caller's), which CPython interns: equal edge names are the same object")
+        for change in (
+            'if e.edge == "completed": => if e.edge is "completed":',
+            'if e.edge != expected and not (e.edge == "consumed" and history[-1:] == ["consumed"]): => '
+            'if e.edge is not expected and not (e.edge == "consumed" and history[-1:] == ["consumed"]):',
+        )
+    ),
 )
