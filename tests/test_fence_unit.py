@@ -188,3 +188,15 @@ def test_an_abandoned_failed_collective_is_waited_on_the_communication_stream_an
     assert fence.abandon() == [0] and fence.in_flight() == []
     waits = [c for c in kit.calls if c[0] == "wait_future"]
     assert len(waits) == 1 and waits[0][1] != "main" and waits[0][2] == "collective"
+
+
+def test_a_log_of_edge_names_read_from_elsewhere_is_checked_by_value() -> None:
+    """A log rebuilt from a saved trace holds equal edge names that are other string objects."""
+
+    def rebuilt(edge: FenceEdge) -> FenceEdge:
+        return FenceEdge(edge.iteration, edge.bucket, "".join(list(edge.edge)), edge.actor, edge.stream,
+                         edge.event, edge.buffer, edge.time)
+
+    in_order = [rebuilt(e) for e in _cycle(0, 0, buffer=7) + [_edge(0, 0, "consumed")] + _cycle(1, 0, buffer=7)]
+    assert all(a.edge is not b.edge for a, b in zip(in_order, _cycle(0, 0), strict=False))
+    assert FenceLog(in_order).violations() == []

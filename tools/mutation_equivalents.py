@@ -724,14 +724,4 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "gradient are empty either way, and the gradient's strides are DDP's either way (shapes (4, 0), "
         "(0, 4) and three permuted empty ones, with and without gradient_as_bucket_view)",
     ),
-    *(
-        Equivalent("overlapddp/fence.py", change,
-                   "every edge name is a string literal that is a valid identifier (fence.py's own, or a "
-                   "caller's), which CPython interns: equal edge names are the same object")
-        for change in (
-            'if e.edge == "completed": => if e.edge is "completed":',
-            'if e.edge != expected and not (e.edge == "consumed" and history[-1:] == ["consumed"]): => '
-            'if e.edge is not expected and not (e.edge == "consumed" and history[-1:] == ["consumed"]):',
-        )
-    ),
 )
