@@ -33,6 +33,9 @@ def test_a_bucket_refuses_parameters_of_two_dtypes_naming_both() -> None:
     late = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(1)), nn.Parameter(torch.zeros(1, dtype=torch.float16))]
     with pytest.raises(ValueError, match="found torch.float32 on cpu and torch.float16"):
         BucketStorage(4, late)
+    elsewhere = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2, device="meta"))]
+    with pytest.raises(ValueError, match="found torch.float32 on cpu and torch.float32 on meta"):
+        BucketStorage(4, elsewhere)
 
 
 def test_parameters_lie_back_to_back_and_the_padding_tail_is_zero() -> None:
@@ -60,6 +63,8 @@ def test_every_element_of_the_padding_is_zeroed_whatever_the_memory_held(monkeyp
 def test_without_padding_the_buffer_is_the_padded_tensor_itself() -> None:
     storage = BucketStorage(0, _params((2,), (2,)), pad_to=2)
     assert storage.buffer is storage.padded and storage.buffer.numel() == 4
+    unsharded = BucketStorage(0, _params((3,)))
+    assert unsharded.buffer is unsharded.padded and unsharded.padded.numel() == 3, "no padding unless asked"
 
 
 def test_a_view_keeps_a_dense_permuted_parameters_strides_and_reshapes_any_other() -> None:

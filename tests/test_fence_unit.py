@@ -3,6 +3,8 @@ misuse gets, what an abandon drops, and the times the log keeps, with futures ma
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch.futures import Future
@@ -197,6 +199,21 @@ def test_a_log_of_edge_names_read_from_elsewhere_is_checked_by_value() -> None:
         return FenceEdge(edge.iteration, edge.bucket, "".join(list(edge.edge)), edge.actor, edge.stream,
                          edge.event, edge.buffer, edge.time)
 
-    in_order = [rebuilt(e) for e in _cycle(0, 0, buffer=7) + [_edge(0, 0, "consumed")] + _cycle(1, 0, buffer=7)]
+    backward_end = _edge(0, -1, "".join(list(BACKWARD_END)))
+    in_order = [rebuilt(e) for e in _cycle(0, 0, buffer=7) + [_edge(0, 0, "consumed"), backward_end] + _cycle(1, 0, buffer=7)]
     assert all(a.edge is not b.edge for a, b in zip(in_order, _cycle(0, 0), strict=False))
     assert FenceLog(in_order).violations() == []
+
+
+def test_on_cuda_a_completion_is_logged_when_it_was_waited_not_when_the_future_was_done() -> None:
+    """NCCL's future is done at enqueue: its time says nothing of the collective, the wait's does."""
+    kit = RecordingKit()
+    fence = CudaFence(torch.device("cpu"), kit=kit)
+    fence.log = FenceLog()
+    fence.produced(0, torch.zeros(1))
+    fence.launch(0, lambda: _done([torch.zeros(1)]))
+    time.sleep(0.02)
+    waited = time.perf_counter()
+    fence.complete(0)
+    completed = [e for e in fence.log.edges if e.edge == "completed"]
+    assert len(completed) == 1 and completed[0].time >= waited

@@ -701,11 +701,23 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
             'if e.edge == "completed": => if e.edge <= "completed":',
         )
     ),
+    *(
+        Equivalent("overlapddp/bucket_storage.py", change,
+                   "every caller passes one gradient per parameter of the storage ([p.grad for p in storage.params]), "
+                   "and a tensor has as many strides as sizes: the zipped sequences always have one length")
+        for change in (
+            "for view, grad in zip(self.views, grads, strict=True): => for view, grad in zip(self.views, grads, strict=False):",
+            "for view, grad, alias in zip(self.views, grads, aliased, strict=True) => "
+            "for view, grad, alias in zip(self.views, grads, aliased, strict=False)",
+            "for size, stride in sorted(zip(tensor.shape, tensor.stride(), strict=True), key=lambda d: d[1]): => "
+            "for size, stride in sorted(zip(tensor.shape, tensor.stride(), strict=False), key=lambda d: d[1]):",
+        )
+    ),
     Equivalent(
         "overlapddp/bucket_storage.py",
-        "for view, grad in zip(self.views, grads, strict=True): => for view, grad in zip(self.views, grads, strict=False):",
-        "every caller passes one gradient per parameter of the storage ([p.grad for p in storage.params]), "
-        "and the zip that builds the copied pairs already checks the lengths strictly",
+        "if param.device != first.device or param.dtype != first.dtype: => "
+        "if param.device != first.device or param.dtype is not first.dtype:",
+        "torch dtypes are singletons (torch.float32 is the one float32 object): identity and equality agree",
     ),
     *(
         Equivalent("overlapddp/bucket_storage.py", change,
