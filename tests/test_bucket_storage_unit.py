@@ -80,6 +80,7 @@ def test_a_view_keeps_a_dense_permuted_parameters_strides_and_reshapes_any_other
     size_one_dims = torch.zeros(1, 5, 1)
     assert is_dense_permutation(size_one_dims.as_strided((1, 5, 1), (7, 1, 9)))
     assert not is_dense_permutation(torch.zeros(12).as_strided((2, 5), (6, 1)))
+    assert not is_dense_permutation(torch.zeros(12).as_strided((2, 1, 5), (6, 1, 1))), "a size-1 dimension ends nothing"
 
 
 def test_copy_in_multiplies_each_element_by_the_factor_and_zeros_a_missing_gradient() -> None:
@@ -122,7 +123,8 @@ def test_a_copy_of_the_buffer_is_not_its_views_alias() -> None:
     same_start = storage.buffer.clone()[:2]
     elsewhere = torch.zeros(8)[2:4]
     assert not storage.aliases(0, same_start) and not storage.aliases(0, elsewhere)
-    assert not storage.aliases(1, storage.views[0]), "another slot's view is not this slot's"
+    assert not storage.aliases(1, storage.views[0]) and not storage.aliases(0, storage.views[1]), (
+        "another slot's view is not this slot's")
 
 
 def test_dropping_aliased_gradients_sets_only_those_to_none() -> None:

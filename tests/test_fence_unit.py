@@ -152,6 +152,7 @@ def test_the_fence_follows_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = fence_for(torch.device("cpu"), before_wait=lambda bucket, future: calls.append(bucket))
     cuda = fence_for(torch.device("cuda", 0), before_wait=lambda bucket, future: calls.append(-bucket))
     assert type(cpu) is Fence and type(cuda) is CudaFence
+    assert all(type(fence_for(torch.device(other))) is Fence for other in ("meta", "xpu", "mps")), "streams are CUDA's only"
     for fence, bucket in ((cpu, 1), (cuda, 2)):
         fence.produced(bucket, torch.zeros(1))
         fence.launch(bucket, lambda: _done(None))

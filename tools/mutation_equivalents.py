@@ -704,13 +704,16 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
     *(
         Equivalent("overlapddp/bucket_storage.py", change,
                    "every caller passes one gradient per parameter of the storage ([p.grad for p in storage.params]), "
-                   "and a tensor has as many strides as sizes: the zipped sequences always have one length")
+                   "the views are made one per parameter, and a tensor has as many strides as sizes: the zipped "
+                   "sequences always have one length")
         for change in (
             "for view, grad in zip(self.views, grads, strict=True): => for view, grad in zip(self.views, grads, strict=False):",
             "for view, grad, alias in zip(self.views, grads, aliased, strict=True) => "
             "for view, grad, alias in zip(self.views, grads, aliased, strict=False)",
             "for size, stride in sorted(zip(tensor.shape, tensor.stride(), strict=True), key=lambda d: d[1]): => "
             "for size, stride in sorted(zip(tensor.shape, tensor.stride(), strict=False), key=lambda d: d[1]):",
+            "for param, view in zip(self.params, self.views, strict=True): => "
+            "for param, view in zip(self.params, self.views, strict=False):",
         )
     ),
     Equivalent(
@@ -735,5 +738,18 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "it differs only for a tensor with a dimension of size 0, which has no elements: its view and its "
         "gradient are empty either way, and the gradient's strides are DDP's either way (shapes (4, 0), "
         "(0, 4) and three permuted empty ones, with and without gradient_as_bucket_view)",
+    ),
+    Equivalent(
+        "overlapddp/bucket_storage.py",
+        "and grad.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr() => "
+        "and grad.untyped_storage().data_ptr() >= self.buffer.untyped_storage().data_ptr()",
+        "the line before already asks for the view's own address: a gradient there whose storage starts "
+        "after the buffer's would be a second storage over the buffer's memory, which torch's allocator "
+        "never makes",
+    ),
+    Equivalent(
+        "overlapddp/fence.py",
+        "if e.edge == BACKWARD_END: => if e.edge <= BACKWARD_END:",
+        "a fence records only 'backward end' and the four bucket edges, each of which sorts after it",
     ),
 )
