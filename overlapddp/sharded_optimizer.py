@@ -176,13 +176,8 @@ class ShardedOptimizer:
         """The bucket's collective: the scaled, padded buffer summed into this rank's slice of it."""
         index = bucket.index()
         buffer = bucket.buffer()
-        if self._reducer.plan is not self._plan:
-            now = self._listed(self._reducer.plan.buckets[index])
-            built_for = self._listed(self._plan.buckets[index]) if index < len(self._plan.buckets) else "no bucket"
-            raise RuntimeError(
-                f"Bucket {index} on rank {self.rank} holds {now} ({buffer.numel()} elements), but the shard layout "
-                f"was built for {built_for}: the buckets changed without a forward in between."
-            )
+        if self._reducer.plan.buckets != self._plan.buckets:
+            raise self._layout_changed()
         state = self._buckets[index]
         state.buffer = buffer
         return reduce_to_shard(buffer, self.rank, self._group, self._backend)
@@ -288,6 +283,18 @@ class ShardedOptimizer:
                     [gathered.narrow(0, offset, self._params[i].numel()) for i, offset in
                      zip(members, shard.offsets, strict=True)],
                 )
+
+    def _layout_changed(self) -> RuntimeError:
+        """The error for a backward whose buckets are not those the shards were cut from, naming the
+        first bucket that differs (the one launching may be unchanged)."""
+        now, built = self._reducer.plan.buckets, self._plan.buckets
+        index = next((i for i, (a, b) in enumerate(zip(now, built, strict=False)) if a != b), min(len(now), len(built)))
+        holds = self._listed(now[index]) if index < len(now) else "no bucket"
+        built_for = self._listed(built[index]) if index < len(built) else "no bucket"
+        return RuntimeError(
+            f"Bucket {index} on rank {self.rank} holds {holds}, but the shard layout was built for {built_for}: "
+            "the buckets changed without a forward in between."
+        )
 
     def _listed(self, members: Sequence[int]) -> str:
         """A bucket's parameters for an error: how many, and the first four names."""

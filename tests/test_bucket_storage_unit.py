@@ -181,3 +181,13 @@ def test_copy_out_as_views_makes_missing_gradients_their_views_and_copies_anothe
     storage.copy_out(torch.tensor([5.0, 6.0, 7.0, 8.0]), [False, True], as_view=True)
     assert params[1].grad is storage.views[1]
     assert torch.equal(storage.buffer, torch.tensor([1.0, 2.0, 7.0, 8.0])), "only the marked slot is copied in"
+
+
+def test_copy_out_as_views_of_another_result_with_nothing_marked_writes_nothing() -> None:
+    """A bucket no rank used, under a hook that returns a new tensor: nothing to copy, no error."""
+    params = _params((2,), (1,))
+    storage = BucketStorage(0, params)
+    storage.buffer.copy_(torch.tensor([1.0, 2.0, 3.0]))
+    storage.copy_out(torch.zeros(3), [False, False], as_view=True)
+    assert params[0].grad is None and params[1].grad is None
+    assert torch.equal(storage.buffer, torch.tensor([1.0, 2.0, 3.0]))

@@ -209,8 +209,10 @@ def test_a_late_future_is_set_from_a_timer_thread_not_the_attaching_one() -> Non
         setters.append(threading.current_thread().name)
         called.set()
 
-    late = testing._resolved_from_a_timer(_done(7), 0.01)
+    source: Future = Future()
+    late = testing._resolved_from_a_timer(source, 0.01)
     late.add_done_callback(record)
+    source.set_result(7)  # the timer is armed only now, after the callback is attached
     assert late.wait() == 7
     assert called.wait(10), "the late future's callbacks ran"
     assert setters[0] != threading.current_thread().name

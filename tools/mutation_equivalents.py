@@ -686,12 +686,6 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "_tuner_for returned (it raises otherwise) exactly when a tuned layout was given, so the tuner is set "
         "exactly when tuned is: the two conditions are always equal",
     ),
-    Equivalent(
-        "overlapddp/bucket_storage.py",
-        "if result is not self.buffer and chosen: => if result is not self.buffer or chosen:",
-        "the extra cases copy the buffer's views onto themselves (result is the buffer) or copy no tensor "
-        "at all (nothing chosen): neither writes a value",
-    ),
     *(
         Equivalent("overlapddp/fence.py", change,
                    "a fence records only the four bucket edges (and the backward's end, skipped before this line); "
@@ -751,5 +745,11 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "overlapddp/fence.py",
         "if e.edge == BACKWARD_END: => if e.edge <= BACKWARD_END:",
         "a fence records only 'backward end' and the four bucket edges, each of which sorts after it",
+    ),
+    Equivalent(
+        "overlapddp/shard_layout.py",
+        "elif length == 0 and _owner_of_empty(offset, size, world_size) == rank: => "
+        "elif length <= 0 and _owner_of_empty(offset, size, world_size) == rank:",
+        "lengths are parameters' numel(), never negative",
     ),
 )
