@@ -218,3 +218,19 @@ def test_on_cuda_a_completion_is_logged_when_it_was_waited_not_when_the_future_w
     fence.complete(0)
     completed = [e for e in fence.log.edges if e.edge == "completed"]
     assert len(completed) == 1 and completed[0].time >= waited
+
+
+def test_on_cpu_a_completion_is_logged_when_the_collective_finished_not_when_it_was_waited() -> None:
+    """Gloo's future is done when the result is final: a timeline shows the completion where it happened."""
+    fence = Fence()
+    fence.log = FenceLog()
+    buffer = torch.zeros(1)
+    fence.produced(0, buffer)
+    running: Future = Future()
+    fence.launch(0, lambda: running)
+    running.set_result(buffer)
+    time.sleep(0.02)
+    waited = time.perf_counter()
+    fence.complete(0)
+    completed = [e for e in fence.log.edges if e.edge == "completed"]
+    assert len(completed) == 1 and completed[0].time < waited

@@ -698,7 +698,8 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
     *(
         Equivalent("overlapddp/bucket_storage.py", change,
                    "every caller passes one gradient per parameter of the storage ([p.grad for p in storage.params]), "
-                   "the views are made one per parameter, and a tensor has as many strides as sizes: the zipped "
+                   "offsets, views and alias flags are made one per parameter, and a tensor has as many strides as "
+                   "sizes: the zipped "
                    "sequences always have one length")
         for change in (
             "for view, grad in zip(self.views, grads, strict=True): => for view, grad in zip(self.views, grads, strict=False):",
@@ -708,6 +709,10 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
             "for size, stride in sorted(zip(tensor.shape, tensor.stride(), strict=False), key=lambda d: d[1]):",
             "for param, view in zip(self.params, self.views, strict=True): => "
             "for param, view in zip(self.params, self.views, strict=False):",
+            "self.views = [strided_view(self.buffer, p, off) for p, off in zip(params, self.offsets, strict=True)] => "
+            "self.views = [strided_view(self.buffer, p, off) for p, off in zip(params, self.offsets, strict=False)]",
+            "foreach_div_([v for v, a in zip(self.views, aliased, strict=True) if a], alias_divide_by) => "
+            "foreach_div_([v for v, a in zip(self.views, aliased, strict=False) if a], alias_divide_by)",
         )
     ),
     Equivalent(
@@ -732,6 +737,17 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "it differs only for a tensor with a dimension of size 0, which has no elements: its view and its "
         "gradient are empty either way, and the gradient's strides are DDP's either way (shapes (4, 0), "
         "(0, 4) and three permuted empty ones, with and without gradient_as_bucket_view)",
+    ),
+    *(
+        Equivalent("overlapddp/bucket_storage.py", change,
+                   "the line before already asks for the view's own address: a gradient there whose storage is "
+                   "not the buffer's would be a second storage over the buffer's memory, which torch's "
+                   "allocator never makes (and two data_ptr() calls return distinct int objects, so 'is not' "
+                   "is always true)")
+        for change in (
+            "and grad.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr() => "
+            "and grad.untyped_storage().data_ptr() is not self.buffer.untyped_storage().data_ptr()",
+        )
     ),
     Equivalent(
         "overlapddp/bucket_storage.py",
