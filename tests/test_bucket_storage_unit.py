@@ -81,6 +81,9 @@ def test_a_view_keeps_a_dense_permuted_parameters_strides_and_reshapes_any_other
     assert is_dense_permutation(size_one_dims.as_strided((1, 5, 1), (7, 1, 9)))
     assert not is_dense_permutation(torch.zeros(12).as_strided((2, 5), (6, 1)))
     assert not is_dense_permutation(torch.zeros(12).as_strided((2, 1, 5), (6, 1, 1))), "a size-1 dimension ends nothing"
+    assert not is_dense_permutation(torch.zeros(1).expand(4)), "overlapping elements are not dense"
+    assert is_dense_permutation(torch.zeros(2, 300)) and is_dense_permutation(torch.zeros(300, 2).t()), (
+        "strides past the small-int cache compare by value")
 
 
 def test_copy_in_multiplies_each_element_by_the_factor_and_zeros_a_missing_gradient() -> None:

@@ -38,6 +38,7 @@ def test_a_log_in_order_has_no_violation_and_a_second_consumer_is_allowed() -> N
     ("edges", "problem"),
     [
         ([_edge(0, 0, "launched")], "iteration 0 bucket 0: 'launched' by actor after nothing"),
+        ([_edge(0, 0, "consumed")], "iteration 0 bucket 0: 'consumed' by actor after nothing"),
         (_cycle(0, 0)[:1] + [_edge(0, 0, "completed")], "iteration 0 bucket 0: 'completed' by actor after ['produced']"),
         (_cycle(0, 3)[:2] + [_edge(0, 3, "consumed")], "'consumed' by actor after ['produced', 'launched']"),
         (_cycle(0, 0) + [_edge(0, 0, "produced")], "'produced' by actor after ['produced', 'launched', 'completed', 'consumed']"),
@@ -234,3 +235,9 @@ def test_on_cpu_a_completion_is_logged_when_the_collective_finished_not_when_it_
     fence.complete(0)
     completed = [e for e in fence.log.edges if e.edge == "completed"]
     assert len(completed) == 1 and completed[0].time < waited
+
+
+def test_a_logged_edge_cannot_be_rewritten() -> None:
+    edge = _edge(0, 0, "produced")
+    with pytest.raises(AttributeError):
+        edge.edge = "completed"  # type: ignore[misc]

@@ -747,6 +747,8 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         for change in (
             "and grad.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr() => "
             "and grad.untyped_storage().data_ptr() is not self.buffer.untyped_storage().data_ptr()",
+            "and grad.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr() => "
+            "and grad.untyped_storage().data_ptr() <= self.buffer.untyped_storage().data_ptr()",
         )
     ),
     Equivalent(
