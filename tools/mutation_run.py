@@ -144,9 +144,12 @@ class Mutant:
 
 
 def change_of(diff: str) -> str:
-    """The mutated line before and after, from cosmic-ray's unified diff (robust to line moves)."""
-    removed = [line[1:].strip() for line in diff.splitlines() if line.startswith("-") and not line.startswith("---")]
-    added = [line[1:].strip() for line in diff.splitlines() if line.startswith("+") and not line.startswith("+++")]
+    """The mutated line before and after, from cosmic-ray's unified diff (robust to line moves, and to
+    the blank last line a mutant of a module's last line may show as removed)."""
+    removed = [line[1:].strip() for line in diff.splitlines()
+               if line.startswith("-") and not line.startswith("---") and line[1:].strip()]
+    added = [line[1:].strip() for line in diff.splitlines()
+             if line.startswith("+") and not line.startswith("+++") and line[1:].strip()]
     return " | ".join(removed) + " => " + " | ".join(added)
 
 
