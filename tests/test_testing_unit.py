@@ -132,7 +132,7 @@ def test_a_delayed_fence_passes_every_call_through_to_its_inner_fence(sleeps: li
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_each_stage_sleeps_where_it_says_and_nowhere_else(stage: str, sleeps: list[float]) -> None:
-    fence = DelayedFence(Recorder(), 0.5, stage)
+    fence = DelayedFence(Recorder(), 0.5, "".join(list(stage)))  # a stage read from a config: compared by value
     where: list[str] = []
     for step in ("filling", "produced", "launch", "complete", "consumed"):
         before = len(sleeps)
@@ -171,6 +171,7 @@ def test_a_completion_delay_resolves_late_from_a_timer_with_the_collectives_valu
     assert fence.in_flight() == [0]
     held_timers[0].fire()
     assert fence.complete(0) == ["reduced"]
+    assert sleeps == [], "nor is the consumer: the delay is the timer's"
 
 
 def test_a_late_future_is_unset_until_its_timer_fires(held_timers: list[HeldTimer]) -> None:
