@@ -110,3 +110,9 @@ def test_every_parameter_of_0_elements_has_exactly_one_empty_piece_within_its_ow
             size = shards[0].shard_length
             assert held == [(owner, Piece(param, 0, 0, offset - owner * size))], (lengths, param)
             assert 0 <= offset - owner * size <= size
+
+
+def test_the_owner_of_an_empty_parameter_is_found_past_the_small_int_cache() -> None:
+    """Ranks are compared by value: with 300 ranks the last one owns an empty parameter ending a bucket."""
+    last = plan_bucket(0, [0, 1], [300, 0], 300, int("299"))
+    assert last.pieces == (Piece(0, 299, 1, 0), Piece(1, 0, 0, 1))

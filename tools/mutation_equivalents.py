@@ -770,4 +770,11 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "elif length <= 0 and _owner_of_empty(offset, size, world_size) == rank:",
         "lengths are parameters' numel(), never negative",
     ),
+    Equivalent(
+        "overlapddp/shard_layout.py",
+        "elif length == 0 and _owner_of_empty(offset, size, world_size) == rank: => "
+        "elif length >= 0 and _owner_of_empty(offset, size, world_size) == rank:",
+        "a parameter with elements reaches this branch only when it misses this rank's shard, so it does not "
+        "start there: the rank holding its offset (offset < total <= padded, no clamp) is another one",
+    ),
 )
