@@ -176,8 +176,8 @@ class ShardedOptimizer:
         """The bucket's collective: the scaled, padded buffer summed into this rank's slice of it."""
         index = bucket.index()
         buffer = bucket.buffer()
-        if self._reducer.plan.buckets != self._plan.buckets:
-            raise self._layout_changed()
+        if self._reducer.plan is not self._plan and self._reducer.plan.buckets != self._plan.buckets:
+            raise self._layout_changed()  # (identity first: the buckets are compared only after a change)
         state = self._buckets[index]
         state.buffer = buffer
         return reduce_to_shard(buffer, self.rank, self._group, self._backend)

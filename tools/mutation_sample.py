@@ -19,7 +19,7 @@ SYNC_DEFAULT = (
 )
 
 SAMPLE: tuple[Sampled, ...] = (
-    Sampled("overlapddp/options.py", "core/RemoveDecorator", " | @property => ", OPTIONS),
+    Sampled("overlapddp/options.py", "core/RemoveDecorator", "@property => ", OPTIONS),
     Sampled(
         "overlapddp/options.py",
         "core/ReplaceAndWithOr",
