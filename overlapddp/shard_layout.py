@@ -6,8 +6,8 @@ Each bucket's flat buffer is padded with zeros to a multiple of the world size a
 meets a shard in at most one contiguous *piece*; the rank's optimizer updates its pieces. No
 collectives, no tensors: every rank computes every rank's plan alike.
 
-A parameter of 0 elements meets no shard, yet DDP's optimizer steps it (an empty gradient, an
-entry in its state): it gets an empty piece (length 0) on exactly one rank, so that one inner
+A parameter of 0 elements meets no shard, yet DDP's optimizer steps it when it has a gradient (an
+empty one, and an entry in its state): it gets an empty piece (length 0) on exactly one rank, so that one inner
 optimizer steps it and its state has one home. The owner is the rank whose shard holds the
 parameter's offset in the bucket, ``offset // S``; the last rank when the offset is the end of a
 bucket without padding (no shard holds it); rank 0 when the bucket has no elements (``S = 0``).
