@@ -243,6 +243,21 @@ def test_on_cuda_the_copies_are_delayed_on_the_device_not_the_host(monkeypatch: 
     assert device == [0.1] and sleeps == []
 
 
+def test_a_launch_delay_sleeps_on_the_device_only_when_the_collective_runs_on_a_side_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    device: list[float] = []
+    monkeypatch.setattr(testing, "_device_sleep", device.append)
+    kit = RecordingKit()
+    side = kit.streams.setdefault("side", type(kit.current)(kit, "side"))
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda: type(kit.current)(kit, "main"))
+    started = _done(3)
+    for available, current, slept in ((False, side, []), (True, kit.current, []), (True, side, [0.2])):
+        device.clear()
+        monkeypatch.setattr(torch.cuda, "is_available", lambda available=available: available)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda current=current: type(current)(kit, current.name))
+        assert testing._after_device_sleep(lambda: started, 0.2) is started
+        assert device == slept, (available, current)
+
+
 def test_the_device_sleep_counts_cycles_at_no_less_than_2_ghz(monkeypatch: pytest.MonkeyPatch) -> None:
     cycles: list[int] = []
     monkeypatch.setattr(testing, "cuda_sleep", cycles.append)
