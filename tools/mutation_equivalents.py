@@ -777,4 +777,15 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "a parameter with elements reaches this branch only when it misses this rank's shard, so it does not "
         "start there: the rank holding its offset (offset < total <= padded, no clamp) is another one",
     ),
+    Equivalent(
+        "overlapddp/progress.py",
+        "elif self.reductions < self.iteration: => elif self.reductions != self.iteration:",
+        "a record never has more reductions than forwards: the reducer counts a reduction only at the end "
+        "of a backward that a synchronized forward armed, one per forward",
+    ),
+    Equivalent(
+        "overlapddp/progress.py",
+        'on_host = device is None or device.type == "cpu" => on_host = device is None or device.type <= "cpu"',
+        "no torch device type sorts before 'cpu' ('cuda' and every other one sorts after it)",
+    ),
 )
