@@ -247,6 +247,9 @@ def test_describe_tells_a_forward_without_reduction_from_a_finished_reduction() 
     assert Position(3, 3, 0, None, None).describe(mine) == (
         "iteration 3 (reduced, the next synchronized forward not reached; 3 backwards reduced)"
     )
+    # Counts read back from the store are new int objects: above 256 they are equal, not identical.
+    late = Position(int("300"), int("300"), 0, None, None)
+    assert late.describe(mine) == "iteration 300 (reduced, the next synchronized forward not reached; 300 backwards reduced)"
 
 
 def test_describe_counts_only_the_extra_forwards_without_a_backward() -> None:

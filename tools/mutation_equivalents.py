@@ -788,4 +788,16 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         'on_host = device is None or device.type == "cpu" => on_host = device is None or device.type <= "cpu"',
         "no torch device type sorts before 'cpu' ('cuda' and every other one sorts after it)",
     ),
+    Equivalent(
+        "overlapddp/progress.py",
+        "self._rank, self._size = 0, 1 => self._rank, self._size = -1, 1",
+        "the default rank belongs to a record without a store, which never writes or reads a key and whose "
+        "behind() returns before naming a rank; a record with a store always has the group's rank",
+    ),
+    Equivalent(
+        "overlapddp/testing.py",
+        'elif self.stage == "completion": => elif self.stage <= "completion":',
+        "the stage is one of STAGES (checked at construction); of those past the 'launch' branch only "
+        "'completion' sorts at or before 'completion' ('consumption' and 'production' sort after it)",
+    ),
 )
