@@ -304,6 +304,15 @@ def test_other_records_are_read_back_as_positions(monkeypatch: pytest.MonkeyPatc
     assert record._others() == {0: None, 2: Position(4, 3, 1, 2, None), 3: Position(5, 4, 0, None, (5, 3))}
 
 
+def test_a_rank_above_256_skips_its_own_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The group's rank and the loop's ranks are equal ints, not the same objects, past CPython's small-int cache."""
+    store = FakeStore()
+    record = _record(monkeypatch, store, rank=int("300"), size=302)
+    record.forward(1, 0, False)
+    others = record._others()
+    assert 300 not in others and sorted(others) == [*range(300), 301]
+
+
 def test_ranks_that_reached_the_backward_are_not_behind(monkeypatch: pytest.MonkeyPatch, clock: FakeClock) -> None:
     """A rank that reduced this backward, one ahead of it, and one waiting for another of its buckets."""
     store = FakeStore()

@@ -800,4 +800,11 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "the stage is one of STAGES (checked at construction); of those past the 'launch' branch only "
         "'completion' sorts at or before 'completion' ('consumption' and 'production' sort after it)",
     ),
+    Equivalent(
+        "overlapddp/progress.py",
+        "after_reduction or p.waiting is None or p.waiting[0] != backward)) => "
+        "after_reduction or p.waiting is None or p.waiting[0] < backward))",
+        "a record waits in backward reductions or reductions + 1 (wait_for, behind), so with reductions "
+        "< backward its waiting backward is never above backward",
+    ),
 )
