@@ -325,6 +325,15 @@ def test_ranks_that_reached_the_backward_are_not_behind(monkeypatch: pytest.Monk
     assert clock.sleeps == []
 
 
+def test_a_rank_waiting_in_the_same_late_backward_is_not_behind(monkeypatch: pytest.MonkeyPatch, clock: FakeClock) -> None:
+    """Past backward 256 the backward read back from the store is an equal int, not the same object."""
+    store = FakeStore()
+    record = _record(monkeypatch, store, rank=0, size=2)
+    record.forward(300, 299, False)
+    _peer(store, 1, [300, 299, 0, None, [300, 1]])
+    assert record.behind(0) == " Every other rank recorded reaching that backward (rank 0 waited for bucket 0 of backward 300 (iteration 300))."
+
+
 def test_a_rank_waiting_in_an_earlier_backward_is_behind(monkeypatch: pytest.MonkeyPatch, clock: FakeClock) -> None:
     """Waiting is not enough: the wait must be in this backward's reduction."""
     store = FakeStore()

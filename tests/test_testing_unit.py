@@ -178,7 +178,7 @@ def test_a_completion_delay_needs_the_bucket_produced_first() -> None:
 def test_a_completion_delay_resolves_late_from_a_timer_with_the_collectives_value(
     sleeps: list[float], held_timers: list[HeldTimer]
 ) -> None:
-    fence = DelayedFence(Fence(), 0.2, "completion")
+    fence = DelayedFence(Fence(), 0.2, "".join(list("completion")))  # compared by value
     fence.produced(0, torch.zeros(1))
     fence.launch(0, lambda: _done(["reduced"]))
     assert sleeps == [], "the launching thread is not delayed"

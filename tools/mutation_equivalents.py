@@ -52,6 +52,11 @@ _ONE_SPARSE_PARAMETER = (
     "gradient per copy: its first element is its last"
 )
 
+DEFAULT_RANK_AND_SIZE = (
+    "the default rank and size belong to a record without a store, which never writes or reads a key and "
+    "whose behind() returns before naming a rank; a record with a store always has the group's rank and size"
+)
+
 EQUIVALENTS: tuple[Equivalent, ...] = (
     Equivalent(
         "overlapddp/comm_hook_validation.py",
@@ -791,8 +796,7 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
     Equivalent(
         "overlapddp/progress.py",
         "self._rank, self._size = 0, 1 => self._rank, self._size = -1, 1",
-        "the default rank belongs to a record without a store, which never writes or reads a key and whose "
-        "behind() returns before naming a rank; a record with a store always has the group's rank",
+        DEFAULT_RANK_AND_SIZE,
     ),
     Equivalent(
         "overlapddp/testing.py",
@@ -806,5 +810,36 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "after_reduction or p.waiting is None or p.waiting[0] < backward))",
         "a record waits in backward reductions or reductions + 1 (wait_for, behind), so with reductions "
         "< backward its waiting backward is never above backward",
+    ),
+    Equivalent(
+        "overlapddp/progress.py",
+        "self._rank, self._size = 0, 1 => self._rank, self._size = 1, 1",
+        DEFAULT_RANK_AND_SIZE,
+    ),
+    Equivalent(
+        "overlapddp/progress.py",
+        "self._rank, self._size = 0, 1 => self._rank, self._size = 0, 2",
+        DEFAULT_RANK_AND_SIZE,
+    ),
+    Equivalent(
+        "overlapddp/progress.py",
+        "self._rank, self._size = 0, 1 => self._rank, self._size = 0, 0",
+        DEFAULT_RANK_AND_SIZE,
+    ),
+    Equivalent(
+        "overlapddp/testing.py",
+        'if self.stage == "production": => if self.stage >= "production":',
+        "the stage is one of STAGES (checked at construction), and no other sorts after 'production'",
+    ),
+    Equivalent(
+        "overlapddp/testing.py",
+        "g.copy_(flat.narrow(0, offset, g.numel()).view_as(g)) => g.copy_(flat.narrow( -1, offset, g.numel()).view_as(g))",
+        "flat is 1-D (a torch.cat of reshape(-1) pieces): its dim -1 is dim 0",
+    ),
+    Equivalent(
+        "overlapddp/testing.py",
+        'khz = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "clock_rate", 2_000_000) => '
+        'khz = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "clock_rate", 1999999)',
+        "the default goes through max(khz, 2_000_000) on the next line, which lifts 1999999 to 2_000_000",
     ),
 )
