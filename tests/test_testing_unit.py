@@ -386,6 +386,8 @@ def test_delay_parameter_gathers_delays_only_the_named_ranks_launches(rank: int,
     assert sleeps == ([0.7] if rank == 301 else [])
     with pytest.raises(ValueError, match="seconds must not be negative, got -1"), delay_parameter_gathers(sharded, rank=rank, seconds=-1):  # type: ignore[arg-type]
         pass
+    with delay_parameter_gathers(sharded, rank=rank, seconds=0):  # type: ignore[arg-type]  # no delay is allowed
+        pass
 
 
 def test_the_synchronous_reference_needs_a_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
