@@ -106,6 +106,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "overlapddp/progress.py": ("tests/test_progress_unit.py", "tests/test_desync.py", "tests/test_reliability.py"),
     "overlapddp/compile_split.py": (
         "tests/test_compile_split_unit.py",
+        "tests/test_compile.py::test_cut_points_close_each_bucket_at_its_earliest_parameter_use",
         "tests/test_compile.py::test_the_compiled_cuts_follow_every_bucket_layout",
         "tests/test_compile.py::test_every_bucket_but_the_stems_launches_in_the_first_half_of_a_compiled_backward",
         "tests/test_compile.py::test_without_splitting_the_first_bucket_launches_at_the_end_of_backward",
