@@ -842,4 +842,9 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         'khz = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "clock_rate", 1999999)',
         "the default goes through max(khz, 2_000_000) on the next line, which lifts 1999999 to 2_000_000",
     ),
+    Equivalent(
+        "overlapddp/optimizer_overlap.py",
+        "if self._reducer.reductions == self._stepped_at: => if self._reducer.reductions <= self._stepped_at:",
+        "the reducer's count only grows and _stepped_at is set from it, so it is never above the count",
+    ),
 )
