@@ -70,6 +70,26 @@ def test_detach_gives_the_optimizer_its_own_step_back(one_rank: None) -> None:
     assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True)), "step() updates"
 
 
+def test_clipping_a_model_of_one_gradient_equals_clip_grad_norm(one_rank: None) -> None:
+    """One parameter, one norm: the total is that norm, as clip_grad_norm_ computes it."""
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(4, 1, bias=False)
+    model = OverlapDDP(torch.nn.Linear(4, 1, bias=False))
+    model.module.load_state_dict(plain.state_dict())
+    reference, opt = torch.optim.SGD(plain.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+    model.attach_optimizer(opt, overlap=True, max_grad_norm=0.01)
+    for step in range(2):
+        inputs = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+        plain(inputs).square().sum().backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.01)
+        reference.step()
+        reference.zero_grad()
+        model(inputs).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        assert torch.equal(plain.weight, model.module.weight), step
+
+
 # The comparisons last: the refusals above fail in milliseconds.
 @pytest.mark.parametrize(("max_norm", "scaled"), [(None, False), (0.05, False), (None, True), (0.05, True)])
 def test_one_rank_overlapped_updates_equal_ddp_then_step(one_rank: None, max_norm: float | None, scaled: bool) -> None:
