@@ -124,6 +124,19 @@ class WithEmptyParameters(nn.Module):
         return self.out(hidden) + self.first.sum() + self.last[0].sum()
 
 
+class ScaledMLP(nn.Module):
+    """An MLP whose output is scaled by a learned scalar: with tiny buckets the scalar is a bucket of
+    1 element, which at 2 or 3 ranks leaves all but one rank only padding of that bucket."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 10))
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) * self.scale
+
+
 def _tanh_layer(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.tanh(layer(x))
 
@@ -169,6 +182,8 @@ def build(name: str) -> nn.Module:
         return DeepMLP(tangle=True)
     if name == "empty_parameters":
         return WithEmptyParameters()
+    if name == "scaled_mlp":
+        return ScaledMLP()
     raise ValueError(f"unknown test model {name!r}")
 
 
@@ -176,7 +191,7 @@ def batch(name: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets that differ per rank and per step, the same for every wrapper."""
     g = torch.Generator().manual_seed(1000 * step + rank)
     if name in ("mlp", "branchy", "branchy_fixed", "checkpointed", "rank_ordered", "deep_mlp", "tangled_mlp",
-                "empty_parameters"):
+                "empty_parameters", "scaled_mlp"):
         return torch.randn(8, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
     if name in ("cnn_bn", "cnn_frozen", "cnn_channels_last"):
         return torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)

@@ -68,6 +68,9 @@ CASES = {
     "clipped_sgd": Case("transformer", _sgd, clip=0.05),
     "clipped_adamw_two_groups": Case("transformer", _two_groups, clip=0.05),
     "resharded_after_two_steps": Case("transformer", lambda ps: torch.optim.Adam(ps, lr=1e-3), attach_after=2),
+    # After the rebuild the scalar is bucket 0, of 1 element: every rank but rank 0 holds only its padding.
+    "resharded_with_a_padding_only_bucket": Case("scaled_mlp", lambda ps: torch.optim.Adam(ps, lr=1e-2),
+                                                 {"bucket_cap_mb": 4e-6}, attach_after=2),
     "compiled_inner_adamw": Case("mlp", lambda ps: torch.optim.AdamW(ps, lr=1e-3), compiled="inner"),
     "compiled_outer_adamw_clipped": Case("mlp", lambda ps: torch.optim.AdamW(ps, lr=1e-3), compiled="outer", clip=0.05),
     # Empty pieces owned by the first, a middle and the last rank, and in a bucket of 0 elements.
