@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -141,9 +143,25 @@ def _tanh_layer(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.tanh(layer(x))
 
 
+# The models that are classes of their own, by name.
+_CLASSES: dict[str, Callable[[], nn.Module]] = {
+    "transformer": TinyLM,
+    "branchy": Branchy,
+    "branchy_fixed": lambda: Branchy(fixed=True),
+    "checkpointed": Checkpointed,
+    "rank_ordered": RankOrdered,
+    "deep_mlp": DeepMLP,
+    "tangled_mlp": lambda: DeepMLP(tangle=True),
+    "empty_parameters": WithEmptyParameters,
+    "scaled_mlp": ScaledMLP,
+}
+
+
 def build(name: str) -> nn.Module:
     """The model called ``name``, initialized from a fixed seed (identical on every call)."""
     torch.manual_seed(0)
+    if name in _CLASSES:
+        return _CLASSES[name]()
     if name == "mlp":
         return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
     if name == "cnn_bn":
@@ -156,8 +174,6 @@ def build(name: str) -> nn.Module:
         import torchvision  # only here: a torch release can come before its torchvision
 
         return torchvision.models.resnet18(num_classes=10)
-    if name == "transformer":
-        return TinyLM()
     if name == "cnn_frozen":  # a parameter that needs no gradient (still broadcast at construction)
         model = build("cnn_bn")
         model[0].weight.requires_grad_(False)
@@ -168,22 +184,6 @@ def build(name: str) -> nn.Module:
         model = TinyLM()
         model.head.weight = model.embed.weight
         return model
-    if name == "branchy":
-        return Branchy()
-    if name == "branchy_fixed":
-        return Branchy(fixed=True)
-    if name == "checkpointed":
-        return Checkpointed()
-    if name == "rank_ordered":
-        return RankOrdered()
-    if name == "deep_mlp":
-        return DeepMLP()
-    if name == "tangled_mlp":
-        return DeepMLP(tangle=True)
-    if name == "empty_parameters":
-        return WithEmptyParameters()
-    if name == "scaled_mlp":
-        return ScaledMLP()
     raise ValueError(f"unknown test model {name!r}")
 
 
