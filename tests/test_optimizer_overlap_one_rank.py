@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from overlapddp import OverlapDDP
+from overlapddp import OverlapDDP, optimizer_overlap
 from tests import models, test_optimizer_overlap
 from tests.test_optimizer_overlap import (
     _compare,
@@ -57,6 +57,23 @@ def test_a_closure_is_refused_and_step_counts_each_synchronized_backward_once(on
         opt.step()
 
 
+def test_gradients_written_in_place_hundreds_of_times_are_compared_by_version_value(one_rank: None) -> None:
+    """Kept gradients (zero_grad(set_to_none=False)) count every in-place write: past 256 a version read
+    twice is an equal int, not the same object, and step() must not take it for a change."""
+    model = _wrapped()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.attach_optimizer(opt, overlap=True)
+    for step in range(2):
+        inputs, target = models.batch("mlp", 0, step)
+        models.loss_of(model(inputs), target).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        for p in model.parameters():
+            for _ in range(300):
+                p.grad.add_(0.0)
+    assert min(p.grad._version for p in model.parameters()) > 256
+
+
 def test_detach_gives_the_optimizer_its_own_step_back(one_rank: None) -> None:
     model = _wrapped()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -70,24 +87,43 @@ def test_detach_gives_the_optimizer_its_own_step_back(one_rank: None) -> None:
     assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True)), "step() updates"
 
 
-def test_clipping_a_model_of_one_gradient_equals_clip_grad_norm(one_rank: None) -> None:
+@pytest.mark.parametrize("max_norm", [0.01, 1000.0])  # clipped, and a norm above the total: not scaled up
+def test_clipping_a_model_of_one_gradient_equals_clip_grad_norm(one_rank: None, max_norm: float) -> None:
     """One parameter, one norm: the total is that norm, as clip_grad_norm_ computes it."""
     torch.manual_seed(0)
     plain = torch.nn.Linear(4, 1, bias=False)
     model = OverlapDDP(torch.nn.Linear(4, 1, bias=False))
     model.module.load_state_dict(plain.state_dict())
     reference, opt = torch.optim.SGD(plain.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
-    model.attach_optimizer(opt, overlap=True, max_grad_norm=0.01)
+    model.attach_optimizer(opt, overlap=True, max_grad_norm=max_norm)
     for step in range(2):
         inputs = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
         plain(inputs).square().sum().backward()
-        torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.01)
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), max_norm)
         reference.step()
         reference.zero_grad()
         model(inputs).square().sum().backward()
         opt.step()
         opt.zero_grad()
         assert torch.equal(plain.weight, model.module.weight), step
+
+
+@pytest.mark.parametrize("max_norm", [None, 0.05])
+def test_with_clipping_each_buckets_norms_are_measured_as_it_is_reduced(
+    one_rank: None, monkeypatch: pytest.MonkeyPatch, max_norm: float | None
+) -> None:
+    """The norms overlap communication: one measurement per bucket, during backward, none at its
+    end; without clipping, none at all."""
+    measured: list[int] = []
+    real = optimizer_overlap.foreach_norm
+    monkeypatch.setattr(optimizer_overlap, "foreach_norm", lambda grads, norm: measured.append(len(grads)) or real(grads, norm))
+    model = _wrapped()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.attach_optimizer(opt, overlap=True, max_grad_norm=max_norm)
+    inputs, target = models.batch("mlp", 0, 0)
+    models.loss_of(model(inputs), target).backward()
+    expected = [len(members) for members in model.bucket_indices()] if max_norm is not None else []
+    assert measured == expected
 
 
 # The comparisons last: the refusals above fail in milliseconds.

