@@ -889,4 +889,16 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "if self._reducer.reductions == self._stepped_at: => if self._reducer.reductions <= self._stepped_at:",
         "the reducer's count only grows and _stepped_at is set from it, so it is never above the count",
     ),
+    Equivalent(
+        "overlapddp/sharded_optimizer.py",
+        "for group, saved in zip(ours, groups, strict=True): => for group, saved in zip(ours, groups, strict=False):",
+        "install gets as many groups as the optimizer has: load_state_dict refuses other group sizes first, a "
+        "relayout passes packed_groups(), and a DCP load fills a packed_groups() template",
+    ),
+    Equivalent(
+        "overlapddp/optimizer_overlap.py",
+        "for group, group_params in zip(groups, everything, strict=True): => "
+        "for group, group_params in zip(groups, everything, strict=False):",
+        "everything is built from groups one entry per group, two lines above",
+    ),
 )
