@@ -577,6 +577,21 @@ def test_buckets_changed_between_forward_and_backward_are_refused(one_rank: None
         loss.backward()
 
 
+def test_a_changed_first_bucket_is_named_whichever_way_its_members_sort(one_rank: None) -> None:
+    """Shards built for a restored registration-order layout ([[0], [1, 2], [3, 4], [5]]), then DDP's
+    ready order restored after the forward: bucket 0 differs, and its members now sort after the old ones."""
+    _, _, ours, our_opt, _ = _pair("mlp", _sgd)
+    _step_both("mlp", ((ours, our_opt),), 0)
+    ours.load_bucket_state({"ready_order": [0, 1, 2, 3, 4, 5]})
+    inputs, target = models.batch("mlp", 0, 1)
+    loss = models.loss_of(ours(inputs), target)
+    assert ours.bucket_indices() == [[0], [1, 2], [3, 4], [5]]
+    ours.load_bucket_state({"ready_order": [5, 4, 3, 2, 1, 0]})
+    named = "Bucket 0 on rank 0 holds 2 parameters: 4.bias, 4.weight, but the shard layout was built for 1 parameters: 0.weight"
+    with pytest.raises(RuntimeError, match=re.escape(f"{named}: the buckets changed without a forward in between")):
+        loss.backward()
+
+
 def test_the_same_buckets_restored_between_forward_and_backward_are_kept(one_rank: None) -> None:
     """A restored layout equal to the one in force leaves the shards valid: the step goes on as DDP's."""
     ddp, ddp_opt, ours, our_opt, _ = _pair("mlp", _sgd)

@@ -57,6 +57,16 @@ DEFAULT_RANK_AND_SIZE = (
     "whose behind() returns before naming a rank; a record with a store always has the group's rank and size"
 )
 
+PLANS_DIFFER_EARLY = (
+    "both plans partition the reducer's parameters, so when they differ they differ at an index below both "
+    "lengths: the fallback index and the 'no bucket' branches are never reached"
+)
+
+STEPPED_AT_ALIASES = (
+    "_stepped_at is bound to the reducer's count object itself, and the count changes only by rebinding to "
+    "a larger int: equal to it means the same object (checked past 256 steps)"
+)
+
 EQUIVALENTS: tuple[Equivalent, ...] = (
     Equivalent(
         "overlapddp/comm_hook_validation.py",
@@ -900,5 +910,45 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "for group, group_params in zip(groups, everything, strict=True): => "
         "for group, group_params in zip(groups, everything, strict=False):",
         "everything is built from groups one entry per group, two lines above",
+    ),
+    Equivalent(
+        "overlapddp/sharded_optimizer.py",
+        "index = next((i for i, (a, b) in enumerate(zip(now, built, strict=False)) if a != b), min(len(now), len(built))) => "
+        "index = next((i for i, (a, b) in enumerate(zip(now, built, strict=True)) if a != b), min(len(now), len(built)))",
+        PLANS_DIFFER_EARLY,
+    ),
+    Equivalent(
+        "overlapddp/sharded_optimizer.py",
+        'holds = self._listed(now[index]) if index < len(now) else "no bucket" => '
+        'holds = self._listed(now[index]) if index <= len(now) else "no bucket"',
+        PLANS_DIFFER_EARLY,
+    ),
+    Equivalent(
+        "overlapddp/sharded_optimizer.py",
+        'holds = self._listed(now[index]) if index < len(now) else "no bucket" => '
+        'holds = self._listed(now[index]) if index != len(now) else "no bucket"',
+        PLANS_DIFFER_EARLY,
+    ),
+    Equivalent(
+        "overlapddp/sharded_optimizer.py",
+        'built_for = self._listed(built[index]) if index < len(built) else "no bucket" => '
+        'built_for = self._listed(built[index]) if index <= len(built) else "no bucket"',
+        PLANS_DIFFER_EARLY,
+    ),
+    Equivalent(
+        "overlapddp/sharded_optimizer.py",
+        "for key, value in parts[0][1].items(): => for key, value in parts[ -1][1].items():",
+        "every part has the same keys (checked above); a per-parameter value (Adam's step) is the same in every "
+        "piece, each updated once per step, and of a per-element one only its dtype and device are read",
+    ),
+    Equivalent(
+        "overlapddp/optimizer_overlap.py",
+        "if self._reducer.reductions == self._stepped_at: => if self._reducer.reductions is self._stepped_at:",
+        STEPPED_AT_ALIASES,
+    ),
+    Equivalent(
+        "overlapddp/sharded_optimizer.py",
+        "if self._reducer.reductions == self._stepped_at: => if self._reducer.reductions is self._stepped_at:",
+        STEPPED_AT_ALIASES,
     ),
 )
