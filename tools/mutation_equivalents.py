@@ -951,4 +951,10 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "if self._reducer.reductions == self._stepped_at: => if self._reducer.reductions is self._stepped_at:",
         STEPPED_AT_ALIASES,
     ),
+    Equivalent(
+        "overlapddp/sharded_optimizer.py",
+        "return memory_flat(tensor).narrow(0, piece.start, piece.length) => "
+        "return memory_flat(tensor).narrow( -1, piece.start, piece.length)",
+        "memory_flat returns a 1-D view: its dim -1 is dim 0",
+    ),
 )
