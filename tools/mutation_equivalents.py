@@ -957,4 +957,32 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "return memory_flat(tensor).narrow( -1, piece.start, piece.length)",
         "memory_flat returns a 1-D view: its dim -1 is dim 0",
     ),
+    Equivalent(
+        "overlapddp/construction.py",
+        "sparse_names = [n for (n, _), s in zip(trainable, sparse, strict=True) if s] => "
+        "sparse_names = [n for (n, _), s in zip(trainable, sparse, strict=False) if s]",
+        "sparse is built from trainable one entry per parameter, the line before",
+    ),
+    Equivalent(
+        "overlapddp/construction.py",
+        'return self.args.bucket_plan == "tuned" => return self.args.bucket_plan >= "tuned"',
+        "the combination rules run after bucket_plan is checked against BUCKET_PLANS, and 'ddp' sorts before 'tuned'",
+    ),
+    Equivalent(
+        "overlapddp/sharded_optimizer.py",
+        "if self._reducer.plan is self._plan: => if self._reducer.plan == self._plan:",
+        "an equal plan has the same buckets: the relayout it skips would rebuild the same shards and move the "
+        "state into the same places",
+    ),
+    Equivalent(
+        "overlapddp/sharded_optimizer.py",
+        "device = self._params[0].device => device = self._params[ -1].device",
+        "a module on more than one device is refused at construction: every reduced parameter is on one device",
+    ),
+    Equivalent(
+        "overlapddp/sharded_optimizer.py",
+        "shard = cast(torch.Tensor, self.buffer).narrow(0, rank * self.shard.shard_length, self.shard.shard_length) => "
+        "shard = cast(torch.Tensor, self.buffer).narrow( -1, rank * self.shard.shard_length, self.shard.shard_length)",
+        "a bucket's buffer is 1-D: its dim -1 is dim 0",
+    ),
 )

@@ -126,7 +126,8 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "overlapddp/bucket_storage.py": ("tests/test_bucket_storage_unit.py", "tests/test_one_rank_parity.py", "tests/test_ready_order.py", "tests/test_comm_hooks.py", "tests/test_parity.py"),
     "overlapddp/layout_lifecycle.py": ("tests/test_layout_lifecycle_unit.py", "tests/test_one_rank_parity.py", "tests/test_ready_order.py", "tests/test_loops.py", "tests/test_parity.py"),
     "overlapddp/construction.py": (
-        "tests/test_refusal_order.py", "tests/test_options.py", "tests/test_cuda_logic.py", "tests/test_delayed_unit.py",
+        "tests/test_construction_unit.py", "tests/test_refusal_order.py", "tests/test_options.py", "tests/test_cuda_logic.py",
+        "tests/test_delayed_unit.py",
         "tests/test_mixed_precision_casts.py", "tests/test_errors.py", "tests/test_wrapper.py",
     ),
     "overlapddp/testing.py": ("tests/test_testing_unit.py", "tests/test_race.py", "tests/test_timeline.py", "tests/test_reliability.py"),
