@@ -120,6 +120,7 @@ class ShardedOptimizer:
         optimizer.step = types.MethodType(lambda _optimizer, closure=None: self._step(closure), optimizer)  # type: ignore[method-assign]
         optimizer.state_dict = self.state_dict  # type: ignore[method-assign]
         optimizer.load_state_dict = self.load_state_dict  # type: ignore[method-assign]
+        optimizer.add_param_group = self._refuse_new_group  # type: ignore[method-assign]
         self._handles = [
             module.register_forward_pre_hook(lambda _module, _inputs: self._before_forward()),
             module.register_state_dict_pre_hook(lambda _module, _prefix, _keep_vars: self.gather_parameters()),
@@ -222,13 +223,14 @@ class ShardedOptimizer:
 
     def _clip(self, max_norm: float) -> None:
         """Scale every piece's gradient as ``clip_grad_norm_`` would, with the norm of all gradients: the
-        sum of squares of each rank's pieces (in float64), summed over ranks, its root rounded once."""
-        first = self._buckets[0].params
-        no_squares = torch.zeros((), dtype=torch.float64, device=first.device)  # this rank has only padding
+        sum of squares of each rank's pieces (in float64), summed over ranks, its root rounded once to
+        the gradients' promoted dtype (the dtype ``clip_grad_norm_`` returns the norm in)."""
+        device = self._buckets[0].params.device
+        no_squares = torch.zeros((), dtype=torch.float64, device=device)  # this rank has only padding
         local = torch.stack(self._squares).sum() if self._squares else no_squares
         self._squares = []
         dist.all_reduce(local, group=self._group)
-        total = local.sqrt().to(first.dtype)
+        total = local.sqrt().to(functools.reduce(torch.promote_types, (state.params.dtype for state in self._buckets)))
         self.last_grad_norm = total
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         grads = [view.grad for state in self._buckets for view in state.pieces if view.grad is not None]
@@ -315,6 +317,14 @@ class ShardedOptimizer:
     def _before_forward(self) -> None:
         self.gather_parameters()
         self._relayout_if_replanned()
+
+    def _refuse_new_group(self, param_group: dict[str, Any]) -> None:
+        """The shards and their optimizers were cut from the groups at attach: a later group has no shard."""
+        raise ValueError(
+            f"add_param_group() on rank {self.rank}: a sharded optimizer's parameter groups are fixed when it is "
+            "attached (every rank's shards are built from them). Create the optimizer with all its groups "
+            "before attach_optimizer(optimizer, shard=True)."
+        )
 
     def _step(self, closure: Any = None) -> None:
         """The updates ran at the end of backward: check that one did since the last step."""

@@ -289,6 +289,17 @@ def test_a_parameter_of_0_elements_is_stepped_saved_and_loaded_as_by_ddp(one_ran
 # -- the unsharded state dict ---------------------------------------------------------------------
 
 
+def test_a_param_group_added_after_attaching_is_refused(one_rank: None) -> None:
+    """The shards were cut from the groups at attach: a new group would have no shard on any rank."""
+    model = OverlapDDP(models.build("mlp"), bucket_cap_mb=TINY)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.attach_optimizer(opt, shard=True)
+    extra = nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match=r"add_param_group\(\) on rank 0: a sharded optimizer's parameter groups are fixed"):
+        opt.add_param_group({"params": [extra], "lr": 0.5})
+    assert len(opt.param_groups) == 1
+
+
 def _pair(model: str, make: MakeOptimizer, cap: float | None = TINY) -> tuple[Any, Any, Any, Any, ShardedOptimizer]:
     """DDP with a plain optimizer, OverlapDDP with a sharded one, both fresh from the same seed."""
     ddp = DistributedDataParallel(models.build(model), bucket_cap_mb=cap)
@@ -785,3 +796,30 @@ def test_the_accessors_describe_one_ranks_pieces(one_rank: None) -> None:
     assert [piece.param for piece, _ in sharded.local_state()] == order
     assert sharded.packed_groups() == our_opt.state_dict()["param_groups"]
     assert sharded.packed_groups()[0]["params"] == list(range(6))
+
+
+class _TwoDtypes(nn.Module):
+    """A float64 layer and a float32 one: buckets of two dtypes, the float64 one first or last."""
+
+    def __init__(self, double_first: bool) -> None:
+        super().__init__()
+        layers = {"wide": nn.Linear(16, 8).double(), "narrow": nn.Linear(16, 8)}
+        for name in ("wide", "narrow") if double_first else ("narrow", "wide"):  # registration decides bucket order
+            self.add_module(name, layers[name])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wide(x.double()).float() + self.narrow(x)
+
+
+@pytest.mark.parametrize("double_first", [True, False])
+def test_the_clipping_norm_of_two_dtypes_has_clip_grad_norms_dtype(one_rank: None, double_first: bool) -> None:
+    """clip_grad_norm_ returns the norm in the promoted dtype of the gradients (float64 here): the
+    shards' norm has it too, whichever dtype's bucket comes first."""
+    torch.manual_seed(0)
+    model = OverlapDDP(_TwoDtypes(double_first), bucket_cap_mb=TINY)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sharded = model.attach_optimizer(opt, shard=True, max_grad_norm=1e-3)
+    inputs = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    model(inputs).square().sum().backward()
+    assert {p.dtype for p in model.parameters()} == {torch.float32, torch.float64}
+    assert sharded.last_grad_norm is not None and sharded.last_grad_norm.dtype == torch.float64
