@@ -106,6 +106,7 @@ def test_a_forward_hands_dynamo_the_splitter_and_puts_dynamos_own_back(monkeypat
         with splitter:  # a nested call (a module that calls itself) restores only what it replaced
             assert DistributedDataParallel._active_ddp_module is splitter
         assert DistributedDataParallel._active_ddp_module is splitter
+        assert dynamo_distributed.DDPOptimizer == splitter._optimizer_for
     assert DistributedDataParallel._active_ddp_module is active and dynamo_distributed.DDPOptimizer is optimizer
     assert splitter._saved == []
 
@@ -114,6 +115,7 @@ def test_a_forward_hands_dynamo_the_splitter_and_puts_dynamos_own_back(monkeypat
 def test_before_the_rebuild_the_cuts_are_ddps_and_after_it_the_buckets(monkeypatch: pytest.MonkeyPatch, rebuilt: bool) -> None:
     monkeypatch.setattr(torch._dynamo.config, "optimize_ddp", True)
     splitter = GraphSplitter(FakeReducer([(1, 0), (3, 2)], rebuilt=rebuilt), bucket_bytes_cap=1)  # type: ignore[arg-type]
+    splitter._buckets = [[0]]  # an earlier layout: each forward adopts the current one, or DDP's byte cuts
     with splitter:
         assert splitter._buckets == ([[1, 0], [3, 2]] if rebuilt else None)
 

@@ -155,7 +155,7 @@ def test_each_stage_sleeps_where_it_says_and_nowhere_else(stage: str, sleeps: li
 
 
 @pytest.mark.parametrize("stage", ("production", "consumption"))
-def test_outside_the_launch_and_completion_stages_a_collective_starts_as_given(stage: str) -> None:
+def test_outside_the_launch_and_completion_stages_a_collective_starts_as_given(stage: str, sleeps: list[float]) -> None:
     started: list[Any] = []
 
     class Launches(Fence):
@@ -166,7 +166,7 @@ def test_outside_the_launch_and_completion_stages_a_collective_starts_as_given(s
     fence.produced(0, torch.zeros(1))
     start = lambda: _done(None)  # noqa: E731
     fence.launch(0, start)
-    assert started == [start], "the collective is neither delayed nor resolved late"
+    assert started == [start] and sleeps == [], "the collective is neither delayed nor resolved late"
 
 
 def test_a_completion_delay_needs_the_bucket_produced_first() -> None:
