@@ -224,7 +224,7 @@ class ShardedOptimizer:
     def _clip(self, max_norm: float) -> None:
         """Scale every piece's gradient as ``clip_grad_norm_`` would, with the norm of all gradients: the
         sum of squares of each rank's pieces (in float64), summed over ranks, its root rounded once to
-        the gradients' promoted dtype (the dtype ``clip_grad_norm_`` returns the norm in)."""
+        the parameters' promoted dtype (the dtype ``clip_grad_norm_`` returns the norm in)."""
         device = self._buckets[0].params.device
         no_squares = torch.zeros((), dtype=torch.float64, device=device)  # this rank has only padding
         local = torch.stack(self._squares).sum() if self._squares else no_squares
@@ -288,14 +288,13 @@ class ShardedOptimizer:
 
     def _layout_changed(self) -> RuntimeError:
         """The error for a backward whose buckets are not those the shards were cut from, naming the
-        first bucket that differs (the one launching may be unchanged)."""
+        first bucket that differs (the one launching may be unchanged). Both layouts hold every reduced
+        parameter, so two that differ differ at an index below both lengths."""
         now, built = self._reducer.plan.buckets, self._plan.buckets
-        index = next((i for i, (a, b) in enumerate(zip(now, built, strict=False)) if a != b), min(len(now), len(built)))
-        holds = self._listed(now[index]) if index < len(now) else "no bucket"
-        built_for = self._listed(built[index]) if index < len(built) else "no bucket"
+        index = next(i for i, (a, b) in enumerate(zip(now, built, strict=False)) if a != b)
         return RuntimeError(
-            f"Bucket {index} on rank {self.rank} holds {holds}, but the shard layout was built for {built_for}: "
-            "the buckets changed without a forward in between."
+            f"Bucket {index} on rank {self.rank} holds {self._listed(now[index])}, but the shard layout was built "
+            f"for {self._listed(built[index])}: the buckets changed without a forward in between."
         )
 
     def _listed(self, members: Sequence[int]) -> str:

@@ -57,11 +57,6 @@ DEFAULT_RANK_AND_SIZE = (
     "whose behind() returns before naming a rank; a record with a store always has the group's rank and size"
 )
 
-PLANS_DIFFER_EARLY = (
-    "both plans partition the reducer's parameters, so when they differ they differ at an index below both "
-    "lengths: the fallback index and the 'no bucket' branches are never reached"
-)
-
 STEPPED_AT_ALIASES = (
     "_stepped_at is bound to the reducer's count object itself, and the count changes only by rebinding to "
     "a larger int: equal to it means the same object (checked past 256 steps)"
@@ -910,30 +905,6 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "for group, group_params in zip(groups, everything, strict=True): => "
         "for group, group_params in zip(groups, everything, strict=False):",
         "everything is built from groups one entry per group, two lines above",
-    ),
-    Equivalent(
-        "overlapddp/sharded_optimizer.py",
-        "index = next((i for i, (a, b) in enumerate(zip(now, built, strict=False)) if a != b), min(len(now), len(built))) => "
-        "index = next((i for i, (a, b) in enumerate(zip(now, built, strict=True)) if a != b), min(len(now), len(built)))",
-        PLANS_DIFFER_EARLY,
-    ),
-    Equivalent(
-        "overlapddp/sharded_optimizer.py",
-        'holds = self._listed(now[index]) if index < len(now) else "no bucket" => '
-        'holds = self._listed(now[index]) if index <= len(now) else "no bucket"',
-        PLANS_DIFFER_EARLY,
-    ),
-    Equivalent(
-        "overlapddp/sharded_optimizer.py",
-        'holds = self._listed(now[index]) if index < len(now) else "no bucket" => '
-        'holds = self._listed(now[index]) if index != len(now) else "no bucket"',
-        PLANS_DIFFER_EARLY,
-    ),
-    Equivalent(
-        "overlapddp/sharded_optimizer.py",
-        'built_for = self._listed(built[index]) if index < len(built) else "no bucket" => '
-        'built_for = self._listed(built[index]) if index <= len(built) else "no bucket"',
-        PLANS_DIFFER_EARLY,
     ),
     Equivalent(
         "overlapddp/sharded_optimizer.py",
