@@ -27,6 +27,7 @@ import torch
 from torch import fx
 
 from overlapddp.bucket_plan import DEFAULT_FIRST_BUCKET_BYTES
+from overlapddp.frames import PACKAGE, TORCH, stacklevel_outside
 
 if TYPE_CHECKING:
     from overlapddp.reducer import Reducer
@@ -231,6 +232,6 @@ def _warn_unsplit() -> None:
         f"OverlapDDP cannot split compiled graphs at its buckets with torch {torch.__version__} ({reason}); "
         "the compiled model is reduced correctly, but its buckets launch only at the end of its backward.",
         UserWarning,
-        stacklevel=3,
+        stacklevel=stacklevel_outside((PACKAGE, TORCH)),  # the user's forward call
     )
 

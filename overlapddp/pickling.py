@@ -12,9 +12,6 @@ What is not carried, and why, is listed in docs/compatibility.md.
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
-import sysconfig
 import warnings
 from dataclasses import dataclass
 from typing import Any, cast
@@ -25,19 +22,16 @@ import torch.distributed as dist
 from overlapddp.bucket_plan import BucketCaps
 from overlapddp.delayed_reduction import DelayedReduction
 from overlapddp.fence import fence_for
+from overlapddp.frames import PACKAGE, STDLIB, TORCH, stacklevel_outside
 from overlapddp.options import ReducerOptions
 from overlapddp.progress import ProgressRecord
 from overlapddp.reducer import Reducer
 from overlapddp.sync_checks import SyncFlagCheck
 
-# Where the frames of a copy or a load live that are not the user's: this package, the standard
-# library (copy, pickle's helpers) and torch (torch.load). Where site-packages lies inside the
-# standard library's folder (no virtual environment), a framework that copies the model is passed
-# over too, and the warning points at the script that called it.
-_MACHINERY = tuple(
-    os.path.dirname(path) + os.sep
-    for path in (__file__, os.path.join(sysconfig.get_paths()["stdlib"], "x"), torch.__file__)
-)
+# The frames of a copy or a load that are not the user's: this package, the standard library (copy,
+# pickle's helpers) and torch (torch.load); a framework that copies the model may be among them
+# (see frames.STDLIB), and the warning then points at the script that called it.
+_MACHINERY = (PACKAGE, STDLIB, TORCH)
 
 # Live objects: bound to this process's group and autograd graph, rebuilt by the copy.
 _NOT_PICKLED = ("process_group", "_reducer", "_hook_handles", "_graph_splitter", "_mixed_precision")
@@ -128,15 +122,6 @@ def bind_to_default_group(recipe: ReducerRecipe) -> dist.ProcessGroup:
             f"The copy of this OverlapDDP reduces with the default all-reduce, as a copy of DDP does: the "
             f"communication hook ({', '.join(recipe.dropped_hooks)}) is not carried; register it on the copy.",
             UserWarning,
-            stacklevel=_first_user_frame(),
+            stacklevel=stacklevel_outside(_MACHINERY),
         )
     return cast(dist.ProcessGroup, dist.group.WORLD)  # initialized, so never None
-
-
-def _first_user_frame() -> int:
-    """The ``stacklevel`` (from the caller) of the first frame outside the copying machinery: the
-    user's ``copy.deepcopy``, ``pickle.loads`` or ``torch.load``, however deep that machinery is."""
-    frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_MACHINERY):
-        frame, level = frame.f_back, level + 1
-    return level

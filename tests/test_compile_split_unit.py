@@ -148,9 +148,10 @@ def test_without_the_hooks_a_compiled_forward_warns_once_naming_why(monkeypatch:
         with splitter:  # nothing compiled inside: no warning
             assert DistributedDataParallel._active_ddp_module is active
     reason = missing or "torch._dynamo.config.optimize_ddp is False, not True"
-    with pytest.warns(UserWarning, match=rf"cannot split compiled graphs at its buckets with torch .* \({reason}\)"):
+    with pytest.warns(UserWarning, match=rf"cannot split compiled graphs at its buckets with torch .* \({reason}\)") as caught:
         with splitter:
             counts["frames"] += 1
+    assert [w.filename for w in caught] == [__file__]  # past torch's disable wrapper: the caller's line
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with splitter:
@@ -247,3 +248,82 @@ def test_compiled_autograd_is_seen_only_while_its_region_runs(monkeypatch: pytes
     assert compile_split.in_compiled_autograd() is False
     monkeypatch.delitem(sys.modules, name)
     assert compile_split.in_compiled_autograd() is False
+
+
+def test_the_last_piece_is_kept_in_a_graph_past_the_small_int_cache() -> None:
+    class Unused:
+        users: dict[Any, None] = {}
+
+    nodes = [Unused() for _ in range(300)]  # nothing is used: one piece, to the end
+    assert _with_outputs(nodes, (100,)) == [(0, 300)]  # type: ignore[arg-type]
+
+
+def test_the_ddp_optimizer_mode_is_read_by_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch._dynamo.config, "optimize_ddp", "".join(["ddp_", "optimizer"]))  # built at run time
+    splitter = GraphSplitter(FakeReducer([(0,)]), bucket_bytes_cap=1)  # type: ignore[arg-type]
+    with splitter:
+        assert DistributedDataParallel._active_ddp_module is splitter
+
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.ones(2))
+        self.b = torch.nn.Parameter(torch.ones(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.a).tanh() * self.b
+
+
+def _compile(monkeypatch: pytest.MonkeyPatch, gm: fx.GraphModule, params: list[torch.Tensor],
+             buckets: list[list[int]]) -> list[fx.GraphModule]:
+    """Run the splitting compiler on ``gm`` with the given buckets; the graphs the backend was given
+    (Dynamo's piece compiler stands in as one backend call per piece: fx traces carry no Dynamo sources)."""
+    monkeypatch.setattr(compile_split, "InstructionTranslator",
+                        SimpleNamespace(current_tx=lambda: SimpleNamespace(f_code=_code("frame"))))
+    monkeypatch.setattr(compile_split, "propagate_dynamo_source", lambda gm, split: None)
+    monkeypatch.setattr(compile_split, "propagate_metadata", lambda gm, split: None)
+
+    class EachPiece:
+        def __init__(self, split: fx.GraphModule, backend: Any, fake_mode: Any, **configs: Any) -> None:
+            self.split, self.backend = split, backend
+
+        def run(self, *inputs: torch.Tensor) -> None:
+            for piece in self.split.children():
+                self.backend(piece, list(inputs))
+
+    monkeypatch.setattr(compile_split, "SubmodCompiler", EachPiece)
+    reducer = FakeReducer([])
+    reducer.params = params
+    splitter = GraphSplitter(reducer, bucket_bytes_cap=1)  # type: ignore[arg-type]
+    splitter._follow(buckets)
+    compiled: list[fx.GraphModule] = []
+
+    def backend(graph: fx.GraphModule, inputs: list[torch.Tensor], **configs: Any) -> Any:
+        compiled.append(graph)
+        return graph.forward
+
+    compile_split._SplittingCompiler(splitter, backend).compile_fn(gm, [torch.ones(2)])
+    return compiled
+
+
+def test_a_graph_with_one_piece_goes_to_the_backend_whole_and_two_pieces_each_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    net = _TwoLayers()
+    gm = fx.symbolic_trace(net)
+    params = [gm.a, gm.b]
+    assert _compile(monkeypatch, gm, params, [[0, 1]]) == [gm]
+    pieces = _compile(monkeypatch, gm, params, [[1], [0]])
+    assert len(pieces) == 2 and gm not in pieces
+
+
+def test_a_parameter_input_no_node_uses_closes_no_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    weight = torch.ones(2)
+    graph = fx.Graph()
+    unused = graph.placeholder("unused")
+    unused.meta["grapharg"] = SimpleNamespace(example=weight)
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(torch.mul, (x, 2)))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    assert _compile(monkeypatch, gm, [weight], [[0]]) == [gm]

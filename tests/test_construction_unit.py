@@ -87,3 +87,71 @@ def test_the_tuned_plan_is_read_by_value() -> None:
     assert _reducer_options(args).tuned_plan is True
     assert _Features(args, False, []).tuned is True
     assert _reducer_options(Arguments()).tuned_plan is False
+
+
+def test_the_arguments_defaults_are_the_constructors_and_ddps() -> None:
+    """``Arguments()`` (what a copy is rebuilt from) defaults as OverlapDDP does, and as DDP does."""
+    import dataclasses
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    ours = inspect.signature(OverlapDDP.__init__).parameters
+    ddp = inspect.signature(DistributedDataParallel.__init__).parameters
+    defaults = {f.name: f.default for f in dataclasses.fields(Arguments)}
+    assert defaults == {name: ours[name].default for name in defaults}
+    assert {n: d for n, d in defaults.items() if n in ddp} == {n: ddp[n].default for n in defaults if n in ddp}
+    assert set(defaults) - set(ddp) == {"bucket_plan"}
+
+
+def test_the_delayed_pair_needs_both_halves_and_a_leaf_hook_parameter_that_requires_grad() -> None:
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="need to be set at the same time"):
+        construction.resolve(net, Arguments(param_to_hook_all_reduce=net[1].weight))
+    with pytest.raises(ValueError, match="need to be set at the same time"):
+        construction.resolve(net, Arguments(delay_all_reduce_named_params=[("0.weight", net[0].weight)]))
+    delayed = [("0.weight", net[0].weight)]
+    for hook in ("1.weight", torch.zeros(2), net[1].weight * 2, torch.zeros(2, requires_grad=True).detach()):
+        with pytest.raises(ValueError, match="param_to_hook_all_reduce must be a parameter \\(a leaf tensor\\)"):
+            _delayed_parameters(net, delayed, hook)  # type: ignore[arg-type]
+    assert _delayed_parameters(net, delayed, net[1].weight) == delayed
+
+
+def test_a_device_mesh_must_be_one_dimensional_and_gives_its_first_dimensions_group() -> None:
+    asked: list[int] = []
+    group = object()
+    mesh = SimpleNamespace(ndim=1, get_group=lambda mesh_dim: asked.append(mesh_dim) or group)
+    assert construction._resolve_group(None, mesh) is group and asked == [0]
+    for ndim in (0, 2):
+        with pytest.raises(RuntimeError, match="Only 1D device mesh is supported"):
+            construction._resolve_group(None, SimpleNamespace(ndim=ndim))
+
+
+def test_device_ids_need_a_module_on_one_gpu() -> None:
+    for named in (_on("cpu", 2), _on("cuda:0", 1) + _on("cuda:1", 1)):  # frozen ones count too
+        with pytest.raises(ValueError, match="device_ids and output_device only work with single-device GPU modules"):
+            _resolve_devices([0], None, named)
+    with pytest.raises(ValueError, match="device_ids can only be None or contain a single element"):
+        _resolve_devices([0, 1], None, _on("cuda:0", 1))
+    assert _resolve_devices([], None, _on("cpu", 1)) == (None, None)  # as DDP: an empty list is None
+
+
+def test_a_module_on_two_device_types_lists_three_names_of_each() -> None:
+    named = _on("cpu", 4) + _on("cuda:0", 1, first=4)
+    with pytest.raises(ValueError, match=r"parameters are on \{'cpu': \['p0', 'p1', 'p2'\], 'cuda': \['p4'\]\}"):
+        _check_parameters(named, named)
+
+
+def test_the_deprecated_buffer_flag_says_when_it_is_ignored() -> None:
+    with pytest.warns(FutureWarning) as caught:
+        assert construction._resolve_buffer_sync(False, True) == (True, True)
+    assert "It is ignored because `forward_sync_buffers` is given." in str(caught[0].message)
+    with pytest.warns(FutureWarning) as caught:
+        assert construction._resolve_buffer_sync(False, None) == (False, False)
+    assert "ignored" not in str(caught[0].message)
+
+
+def test_a_one_parameter_module_is_wrapped(one_rank: None) -> None:
+    model = OverlapDDP(nn.Linear(3, 1, bias=False))
+    model(torch.ones(2, 3)).sum().backward()
+    assert torch.equal(model.module.weight.grad, torch.full((1, 3), 2.0))

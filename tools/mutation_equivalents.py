@@ -17,6 +17,11 @@ class Equivalent:
     why: str
 
 
+_ONE_TRAINABLE_DEVICE = (
+    "a module whose parameters that require grad are on more than one device is refused first "
+    "(construction._check_parameters): the last one's device is the first one's"
+)
+
 _STACKLEVEL = (
     "stacklevel only chooses which frame the warning is attributed to; levels 2, 3 and 4 are all inside "
     "overlapddp (sync_checks.py, then the reducer, then the wrapper or the reducer's gradient hook), the "
@@ -955,5 +960,55 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "shard = cast(torch.Tensor, self.buffer).narrow(0, rank * self.shard.shard_length, self.shard.shard_length) => "
         "shard = cast(torch.Tensor, self.buffer).narrow( -1, rank * self.shard.shard_length, self.shard.shard_length)",
         "a bucket's buffer is 1-D: its dim -1 is dim 0",
+    ),
+    Equivalent(
+        "overlapddp/construction.py",
+        'tuned_plan=args.bucket_plan == "tuned", => tuned_plan=args.bucket_plan >= "tuned",',
+        "the recipe is built after bucket_plan is checked against BUCKET_PLANS, and 'ddp' sorts before 'tuned'",
+    ),
+    Equivalent(
+        "overlapddp/construction.py",
+        'single_gpu = len(devices) == 1 and next(iter(devices)).type != "cpu" => single_gpu = len(devices) <= 1 and next(iter(devices)).type != "cpu"',
+        "a module with no parameter that requires grad is refused before the devices are resolved: there is always one",
+    ),
+    Equivalent(
+        "overlapddp/construction.py",
+        'single_gpu = len(devices) == 1 and next(iter(devices)).type != "cpu" => single_gpu = len(devices) == 1 and next(iter(devices)).type > "cpu"',
+        "every device type torch names other than 'cpu' (cuda, hip, xpu, mps, meta, hpu, mtia, xla, privateuseone, ...) sorts after it",
+    ),
+    Equivalent(
+        "overlapddp/construction.py",
+        'refuse_unsupported(group, trainable[0][1].device, sparse_names) => refuse_unsupported(group, trainable[ -1][1].device, sparse_names)',
+        _ONE_TRAINABLE_DEVICE,
+    ),
+    Equivalent(
+        "overlapddp/construction.py",
+        'return self.trainable[0][1].device => return self.trainable[ -1][1].device',
+        _ONE_TRAINABLE_DEVICE,
+    ),
+    Equivalent(
+        "overlapddp/construction.py",
+        'if len(device_types) != 1: => if len(device_types) > 1:',
+        "the module has a parameter that requires grad (checked first): there is at least one device type",
+    ),
+    Equivalent(
+        "overlapddp/construction.py",
+        "if len(where) > 1:  # one fence orders one device's streams => if len(where) != 1:  # one fence orders one device's streams",
+        "the module has a parameter that requires grad (checked first): there is at least one device",
+    ),
+    Equivalent(
+        "overlapddp/construction.py",
+        'out = ids[0] if output_device is None else output_device => out = ids[ -1] if output_device is None else output_device',
+        "device_ids of more than one element are refused first: ids has one",
+    ),
+    Equivalent(
+        "overlapddp/construction.py",
+        'if (args.delay_all_reduce_named_params is None) != (args.param_to_hook_all_reduce is None): => if (args.delay_all_reduce_named_params is None) is not (args.param_to_hook_all_reduce is None):',
+        "both sides are the bool singletons True and False: 'is not' and '!=' agree on them",
+    ),
+    Equivalent(
+        "overlapddp/construction.py",
+        '@dataclass(frozen=True) => @dataclass(frozen=False)',
+        "_Features is built once per construction and only read by the combination rules: nothing assigns to it",
     ),
 )

@@ -157,7 +157,7 @@ class DistributedDataParallel(OverlapDDP):
         **ddp_kwargs: Any,
     ) -> None:
         _check_arguments(manager, module, ddp_kwargs)
-        super().__init__(module, process_group=_replica_local_group(), **ddp_kwargs)
+        super().__init__(module, **{**ddp_kwargs, "process_group": _replica_local_group()})  # replaces a given None
         self.manager = manager
         self._manager_reduction = ManagerReduction(manager)
         super().register_comm_hook(self._manager_reduction, cast(CommHook, manager_allreduce_hook))
