@@ -195,10 +195,9 @@ def _real_value(gm: fx.GraphModule, node: fx.Node) -> Any:
 def _with_outputs(nodes: list[fx.Node], cuts: tuple[int, ...]) -> list[tuple[int, int]]:
     """The pieces ``[start, end)`` between cuts, each merged into the next until some node of it is
     used after it (a piece must hand something on to be split off)."""
-    bounds = [0, *cuts, len(nodes)]
     pieces: list[tuple[int, int]] = []
     start = 0
-    for end in bounds[1:]:
+    for end in (*cuts, len(nodes)):
         inside = set(nodes[start:end])
         if end == len(nodes) or any(u not in inside for n in nodes[start:end] for u in n.users):
             pieces.append((start, end))

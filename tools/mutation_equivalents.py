@@ -1011,4 +1011,38 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         '@dataclass(frozen=True) => @dataclass(frozen=False)',
         "_Features is built once per construction and only read by the combination rules: nothing assigns to it",
     ),
+    Equivalent(
+        "overlapddp/compile_split.py",
+        'if TYPE_CHECKING: => if not TYPE_CHECKING:',
+        "the guarded import names a type used only in annotations, which this module never evaluates (from __future__ "
+        "import annotations); the reducer never imports this module, so importing it at run time opens no cycle",
+    ),
+    Equivalent(
+        "overlapddp/compile_split.py",
+        'elif isinstance(saved, int) and _frames_compiled() > saved: => elif isinstance(saved, int) and _frames_compiled() is not saved:',
+        "Dynamo's frame count only grows: read back unchanged it is the very object stored in its counter, and a "
+        "changed count is a new, larger int",
+    ),
+    Equivalent(
+        "overlapddp/compile_split.py",
+        'if node.op == "placeholder": => if node.op >= "placeholder":',
+        "of fx's six node ops (placeholder, get_attr, call_function, call_method, call_module, output) only "
+        "'placeholder' sorts at or after 'placeholder'",
+    ),
+    Equivalent(
+        "overlapddp/compile_split.py",
+        'if node.op == "get_attr": => if node.op <= "get_attr":',
+        "the call_* ops that sort before 'get_attr' have a function, a method name or a submodule's name as their "
+        "target: none of them is an attribute of the graph module that holds a parameter, so the lookup finds no parameter",
+    ),
+    Equivalent(
+        "overlapddp/compile_split.py",
+        'if node.op == "get_attr": => if node.op is "get_attr":',
+        "fx sets node.op from its own literals, which CPython interns: the one 'get_attr' string is this one",
+    ),
+    Equivalent(
+        "overlapddp/compile_split.py",
+        'if cast(object, _DDP._active_ddp_module) is not self: => if cast(object, _DDP._active_ddp_module) != self:',
+        "neither a GraphSplitter nor an nn.Module defines __eq__: != is identity",
+    ),
 )
