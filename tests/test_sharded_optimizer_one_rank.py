@@ -823,3 +823,60 @@ def test_the_clipping_norm_of_two_dtypes_has_clip_grad_norms_dtype(one_rank: Non
     model(inputs).square().sum().backward()
     assert {p.dtype for p in model.parameters()} == {torch.float32, torch.float64}
     assert sharded.last_grad_norm is not None and sharded.last_grad_norm.dtype == torch.float64
+
+
+def test_clipping_scales_a_kept_local_gradient_in_place_as_ddps_clip_does(one_rank: None) -> None:
+    """A parameter no rank used keeps its local ``.grad`` (the parameter's own layout); clipping with
+    ``max_grad_norm`` scales that very tensor, as ``clip_grad_norm_`` scales DDP's ``.grad`` (with the
+    shards' norm: its rounding is checked by the clipped cases above)."""
+    kwargs = {"bucket_cap_mb": TINY, "find_unused_parameters": True}
+    ddp = DistributedDataParallel(models.build("branchy"), **kwargs)
+    ours = OverlapDDP(models.build("branchy"), **kwargs)
+    ddp_opt, our_opt = _sgd(ddp.parameters()), _sgd(ours.parameters())
+    ours.attach_optimizer(our_opt, shard=True, max_grad_norm=0.05)
+    positive, target = torch.randn(8, 16).abs(), torch.randint(0, 10, (8,))
+    for step in range(2):
+        for wrapper in (ours, ddp):
+            wrapper.module.never.weight.grad = _local_gradient(2) + step  # the parameter's strides
+            models.loss_of(wrapper(positive), target).backward()
+        torch.nn.utils.clip_grads_with_norm_(ddp.parameters(), 0.05, _norm_in_bucket_order(ours, ddp))
+        for opt in (our_opt, ddp_opt):
+            opt.step()
+        assert torch.equal(ours.module.never.weight.grad, ddp.module.never.weight.grad), f"step {step}"
+        assert _module_difference(ddp, ours, as_read=False) is None, f"step {step}"
+        for opt in (our_opt, ddp_opt):
+            opt.zero_grad()
+
+
+def test_a_one_parameter_models_state_moves_along_the_rebuild(one_rank: None) -> None:
+    """DDP's rebuild after the first step replaces the plan, even of one bucket: the state moves
+    from the first parameter's device (the only one)."""
+    torch.manual_seed(0)
+    net = nn.Linear(3, 1, bias=False)
+    plain = copy.deepcopy(net)
+    ours = OverlapDDP(net)
+    our_opt, plain_opt = _adam(ours.parameters()), _adam(plain.parameters())
+    ours.attach_optimizer(our_opt, shard=True)
+    for step in range(3):
+        inputs = torch.randn(4, 3) + step
+        for model, opt in ((ours, our_opt), (plain, plain_opt)):
+            opt.zero_grad()
+            model(inputs).square().sum().backward()
+            opt.step()
+        ours.module.state_dict()  # completes the all-gather
+        assert torch.equal(ours.module.weight, plain.weight), f"step {step}"
+
+
+def test_a_failed_all_gather_reports_the_ranks_behind_after_the_reduction(one_rank: None) -> None:
+    """The all-gather follows this rank's last reduction: the progress records are read for it."""
+    model = OverlapDDP(_Linears(2))
+    sharded = model.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), shard=True)
+    asked: list[tuple[int, bool]] = []
+
+    def behind(bucket: int, after_reduction: bool = False) -> str:
+        asked.append((bucket, after_reduction))
+        return " (the ranks behind)"
+
+    model._reducer.progress.behind = behind  # type: ignore[method-assign]
+    error = sharded._gather_failed(0, RuntimeError("lost"))
+    assert asked == [(0, True)] and "failed on rank 0: lost. Another rank may have died or timed out. (the ranks" in str(error)

@@ -1045,4 +1045,83 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         'if cast(object, _DDP._active_ddp_module) is not self: => if cast(object, _DDP._active_ddp_module) != self:',
         "neither a GraphSplitter nor an nn.Module defines __eq__: != is identity",
     ),
+    Equivalent(
+        "overlapddp/sharded_optimizer.py",
+        'for packed, group in zip(packed_groups, ours, strict=True): => for packed, group in zip(packed_groups, ours, strict=False):',
+        "each shard's inner optimizer is built with one group per group of the user's optimizer (_bucket_state), and add_param_group is refused once attached: the lengths are equal, so strict never fires",
+    ),
+    Equivalent(
+        "overlapddp/sharded_optimizer.py",
+        'for inner_group, group in zip(state.inner.param_groups, self.optimizer.param_groups, strict=True): => for inner_group, group in zip(state.inner.param_groups, self.optimizer.param_groups, strict=False):',
+        "each shard's inner optimizer is built with one group per group of the user's optimizer (_bucket_state), and add_param_group is refused once attached: the lengths are equal, so strict never fires",
+    ),
+    Equivalent(
+        "overlapddp/sharded_optimizer.py",
+        'if TYPE_CHECKING: => if not TYPE_CHECKING:',
+        "the guarded import names types used only in annotations, which this module never evaluates (from __future__ "
+        "import annotations); importing them at run time binds names nothing reads, and the suite imports the package whole",
+    ),
+    Equivalent(
+        "overlapddp/sharded_optimizer.py",
+        'zip(members, shard.offsets, strict=True)], => zip(members, shard.offsets, strict=False)],',
+        "plan_shards gives a bucket one offset per member: the lengths are equal, so strict never fires",
+    ),
+    Equivalent(
+        "overlapddp/sharded_optimizer.py",
+        '[gathered.narrow(0, offset, self._params[i].numel()) for i, offset in => [gathered.narrow( -1, offset, self._params[i].numel()) for i, offset in',
+        "the tensor narrowed is a flat 1-D buffer: its dim -1 is dim 0",
+    ),
+    Equivalent(
+        "overlapddp/sharded_optimizer.py",
+        'pieces = [params.narrow(0, piece.shard_offset, piece.length) for piece in shard.pieces] => pieces = [params.narrow( -1, piece.shard_offset, piece.length) for piece in shard.pieces]',
+        "the tensor narrowed is a flat 1-D buffer: its dim -1 is dim 0",
+    ),
+    Equivalent(
+        "overlapddp/sharded_optimizer.py",
+        'return [shard.narrow(0, piece.shard_offset, piece.length) for piece in self.shard.pieces] => return [shard.narrow( -1, piece.shard_offset, piece.length) for piece in self.shard.pieces]',
+        "the tensor narrowed is a flat 1-D buffer: its dim -1 is dim 0",
+    ),
+    Equivalent(
+        "overlapddp/sharded_optimizer.py",
+        'if self._reducer.plan is not self._plan and self._reducer.plan.buckets != self._plan.buckets: => if self._reducer.plan != self._plan and self._reducer.plan.buckets != self._plan.buckets:',
+        "the second test compares the buckets, and BucketPlan equality compares them too: two plans with different "
+        "buckets are neither identical nor equal, so the error fires in the same cases",
+    ),
+    Equivalent(
+        "overlapddp/sharded_optimizer.py",
+        'for piece, view in zip(shard.pieces, pieces, strict=True): => for piece, view in zip(shard.pieces, pieces, strict=False):',
+        "the views are cut from the shard's pieces one for one (_bucket_state): the lengths are equal, so strict never fires",
+    ),
+    Equivalent(
+        "overlapddp/sharded_optimizer.py",
+        'piece_of = {id(view): piece for piece, view in zip(state.shard.pieces, state.pieces, strict=True)} => piece_of = {id(view): piece for piece, view in zip(state.shard.pieces, state.pieces, strict=False)}',
+        "the views are cut from the shard's pieces one for one (_bucket_state): the lengths are equal, so strict never fires",
+    ),
+    Equivalent(
+        "overlapddp/sharded_optimizer.py",
+        'return [(piece, dict(entry)) for piece, view in zip(state.shard.pieces, state.pieces, strict=True) => return [(piece, dict(entry)) for piece, view in zip(state.shard.pieces, state.pieces, strict=False)',
+        "the views are cut from the shard's pieces one for one (_bucket_state): the lengths are equal, so strict never fires",
+    ),
+    Equivalent(
+        "overlapddp/sharded_optimizer.py",
+        'index = next(i for i, (a, b) in enumerate(zip(now, built, strict=False)) if a != b) => index = next(i for i, (a, b) in enumerate(zip(now, built, strict=True)) if a != b)',
+        "two layouts of the same parameters that differ differ at an index below both lengths (the docstring's "
+        "argument): next() stops there, before zip could reach the shorter one's end",
+    ),
+    Equivalent(
+        "overlapddp/sharded_optimizer.py",
+        'self._holds_state = False  # whether any shard has optimizer state (equal on every rank) => self._holds_state = True  # whether any shard has optimizer state (equal on every rank)',
+        "set on every rank alike, it makes a relayout before the first step move state that no shard has: the move "
+        "finds no entries, installs the optimizer's own settings and an empty state, and costs one collective more",
+    ),
+    Equivalent(
+        "overlapddp/sharded_optimizer.py",
+        'if covered != target.numel() or any(entry.keys() != parts[0][1].keys() for _, entry in parts): => if covered != target.numel() or any(entry.keys() != parts[ -1][1].keys() for _, entry in parts):',
+        "every entry is compared with one of them: all keys equal the first's exactly when all equal the last's",
+    ),
+    Equivalent(
+        "overlapddp/sharded_optimizer.py",
+        'device = self._buckets[0].params.device => device = self._buckets[ -1].params.device',
+        "a module on more than one device is refused at construction: every shard is on one device",
+    ),
 )
