@@ -327,3 +327,9 @@ def test_a_parameter_input_no_node_uses_closes_no_bucket(monkeypatch: pytest.Mon
     graph.output(graph.call_function(torch.mul, (x, 2)))
     gm = fx.GraphModule(torch.nn.Module(), graph)
     assert _compile(monkeypatch, gm, [weight], [[0]]) == [gm]
+
+
+def test_dynamo_never_traces_the_splitters_entry_or_exit() -> None:
+    """Under torch.compile(OverlapDDP(model)) the swap and the restore run as written, not traced."""
+    for method in (GraphSplitter.__enter__, GraphSplitter.__exit__):
+        assert getattr(method, "_torchdynamo_disable", False) is True, method.__qualname__

@@ -137,8 +137,8 @@ def test_device_ids_need_a_module_on_one_gpu() -> None:
 
 
 def test_a_module_on_two_device_types_lists_three_names_of_each() -> None:
-    named = _on("cpu", 4) + _on("cuda:0", 1, first=4)
-    with pytest.raises(ValueError, match=r"parameters are on \{'cpu': \['p0', 'p1', 'p2'\], 'cuda': \['p4'\]\}"):
+    named = _on("cuda:0", 1) + _on("cpu", 4, first=1)  # 'cuda' sorts after 'cpu', and comes first here
+    with pytest.raises(ValueError, match=r"parameters are on \{'cpu': \['p1', 'p2', 'p3'\], 'cuda': \['p0'\]\}"):
         _check_parameters(named, named)
 
 
