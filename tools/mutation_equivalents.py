@@ -1124,4 +1124,15 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         'device = self._buckets[0].params.device => device = self._buckets[ -1].params.device',
         "a module on more than one device is refused at construction: every shard is on one device",
     ),
+    Equivalent(
+        "overlapddp/compile_split.py",
+        'if len(pieces) <= 1: => if len(pieces) == 1:',
+        "_with_outputs always ends with the piece that reaches the last node: there is at least one piece",
+    ),
+    Equivalent(
+        "overlapddp/compile_split.py",
+        'if buckets == self._buckets: => if buckets is self._buckets:',
+        "the early return only saves work: for buckets equal to the current ones every compiled frame's cuts are "
+        "recomputed equal to those it recorded, so no frame is dropped and the buckets adopted are equal",
+    ),
 )
