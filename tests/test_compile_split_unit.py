@@ -333,3 +333,16 @@ def test_dynamo_never_traces_the_splitters_entry_or_exit() -> None:
     """Under torch.compile(OverlapDDP(model)) the swap and the restore run as written, not traced."""
     for method in (GraphSplitter.__enter__, GraphSplitter.__exit__):
         assert getattr(method, "_torchdynamo_disable", False) is True, method.__qualname__
+
+
+def test_a_torch_without_dynamos_ddp_hooks_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The module loads on a torch without the private hooks, and the warning's reason names them."""
+    import importlib.util
+
+    monkeypatch.setitem(sys.modules, "torch._dynamo.backends.distributed", None)  # its import now fails
+    spec = importlib.util.spec_from_file_location("compile_split_without_hooks", compile_split.__file__)
+    assert spec is not None and spec.loader is not None
+    without = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, without)  # its dataclasses look it up there
+    spec.loader.exec_module(without)
+    assert "torch._dynamo.backends.distributed" in str(without._MISSING)

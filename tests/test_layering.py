@@ -20,7 +20,7 @@ FRAMEWORKS = {"lightning", "pytorch_lightning", "accelerate", "transformers", "r
 # Lowest first; a module may import only from strictly lower layers.
 # A module of a subpackage is named with its package: ``tuning.clock``; ``tuning`` is its ``__init__``.
 LAYERS = [
-    {"device_streams", "torch_compat", "tuning.clock", "backend_support", "options"},
+    {"device_streams", "torch_compat", "tuning.clock", "backend_support", "options", "frames"},
     {"bucket_plan", "bucket_storage", "fence", "comm_hook", "param_usage", "token_weighting", "module_sync",
      "bucket_unscaler", "sparse_reduction", "sync_checks", "progress",
      "shard_layout", "shard_collectives"},
