@@ -1,0 +1,543 @@
+"""The reducer's state machine driven by hand on a one-rank group: no autograd, no module, no spawn.
+
+Each test plays the wrapper's part (``prepare_for_forward``, ``prepare_for_backward``, ``mark_ready``
+in some order, ``finalize``) and reads what the reducer says about itself, the fence's log, the
+desync record and the sync-flag warnings. One rank's reduction is the gradient itself, so the values
+written back are known exactly.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from overlapddp.bucket_plan import BucketCaps
+from overlapddp.delayed_reduction import DelayedReduction
+from overlapddp.fence import Fence, FenceLog
+from overlapddp.options import ReducerOptions
+from overlapddp.progress import ProgressRecord
+from overlapddp.reducer import GraphMode, Reducer, ReducerState
+from overlapddp.sync_checks import SyncFlagCheck
+
+ONE_BYTE = BucketCaps(first_bytes=1, bytes_cap=1, per_bucket=(1,))  # every parameter its own bucket, always
+NAMES = ["a", "b", "c"]
+
+
+class RecordedProgress(ProgressRecord):
+    """A desync record that keeps every call, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Any, ...]] = []
+
+    def forward(self, iteration: int, reductions: int, dropped: bool) -> None:
+        self.calls.append(("forward", iteration, reductions, dropped))
+
+    def reduced(self, iteration: int, reductions: int) -> None:
+        self.calls.append(("reduced", iteration, reductions))
+
+
+def _params(sizes: tuple[int, ...] = (2, 3, 4)) -> list[torch.Tensor]:
+    return [torch.zeros(n, requires_grad=True) for n in sizes]
+
+
+def _reducer(
+    params: list[torch.Tensor] | None = None,
+    options: ReducerOptions = ReducerOptions(),
+    caps: BucketCaps = ONE_BYTE,
+    **kwargs: Any,
+) -> Reducer:
+    params = _params() if params is None else params
+    return Reducer(params, NAMES[: len(params)], dist.group.WORLD, Fence(), caps, [False] * len(params), options,
+                   **kwargs)
+
+
+def _grad(reducer: Reducer, index: int, value: float) -> None:
+    reducer.params[index].grad = torch.full_like(reducer.params[index], value)
+
+
+def _index(reducer: Reducer, param: torch.Tensor) -> int:
+    return next(i for i, p in enumerate(reducer.params) if p is param)
+
+
+def _backward(reducer: Reducer, order: list[int], finalize: bool = True) -> list[bool]:
+    """A synchronized iteration whose gradients arrive in ``order`` (gradient i is i + 1); what each
+    ``mark_ready`` returned."""
+    reducer.prepare_for_forward()
+    reducer.prepare_for_backward()
+    returned = []
+    for i in order:
+        _grad(reducer, i, i + 1.0)
+        returned.append(reducer.mark_ready(i))
+    if finalize:
+        reducer.finalize()
+    return returned
+
+
+def test_the_wrappers_progress_record_and_sync_flag_are_the_ones_used(one_rank: None) -> None:
+    progress, flags = RecordedProgress(), SyncFlagCheck()
+    reducer = _reducer(progress=progress, sync_flags=flags)
+    assert reducer.progress is progress and reducer.sync_flags is flags
+    _backward(reducer, [2, 1, 0])
+    assert progress.calls == [("forward", 1, 0, False), ("reduced", 1, 1)]
+    defaults = _reducer()
+    assert isinstance(defaults.progress, ProgressRecord) and isinstance(defaults.sync_flags, SyncFlagCheck)
+    assert defaults.sync_flags.requested is True
+
+
+def test_a_forward_whose_backward_never_came_is_recorded_as_dropped(one_rank: None) -> None:
+    progress = RecordedProgress()
+    reducer = _reducer(progress=progress)
+    reducer.prepare_for_backward()
+    reducer.prepare_for_backward()  # ARMED again: no gradient came, nothing to abandon
+    assert progress.calls == [("forward", 1, 0, False), ("forward", 2, 0, True)]
+    assert reducer.synchronized_forwards == 2 and reducer.reductions == 0
+
+
+def test_the_states_of_one_iteration(one_rank: None) -> None:
+    reducer = _reducer()
+    seen = [reducer.state]
+    reducer.prepare_for_forward()
+    seen.append(reducer.state)
+    reducer.prepare_for_backward()
+    seen.append(reducer.state)
+    for i in (2, 1, 0):
+        _grad(reducer, i, 1.0)
+        reducer.mark_ready(i)
+        seen.append(reducer.state)
+    reducer.finalize()
+    seen.append(reducer.state)
+    idle, armed, reducing = ReducerState.IDLE, ReducerState.ARMED, ReducerState.REDUCING
+    assert seen == [idle, idle, armed, reducing, reducing, reducing, idle]
+    assert reducer.reductions == 1 and reducer.mode is GraphMode.OVERLAP
+
+
+def test_mark_ready_is_true_once_every_bucket_launched_and_buckets_launch_in_index_order(one_rank: None) -> None:
+    reducer = _reducer()
+    assert reducer.plan.buckets == ((2,), (1,), (0,))  # DDP's initial order: reversed
+    log = FenceLog()
+    reducer.fence.log = log
+    returned = _backward(reducer, [0, 1, 2], finalize=False)  # bucket 2 fills first, bucket 0 last
+    launched = [e.bucket for e in log.edges if e.edge == "launched"]
+    assert returned == [False, False, True]
+    assert launched == [0, 1, 2], "a bucket filled early waits for the ones before it"
+    reducer.finalize()
+    assert [float(p.grad[0]) for p in reducer.params] == [1.0, 2.0, 3.0]
+    assert log.violations() == []
+
+
+def test_a_gradient_within_a_bucket_launches_nothing_until_the_bucket_is_full(one_rank: None) -> None:
+    reducer = _reducer(caps=BucketCaps.from_user(None, None))  # one bucket of all three
+    assert _backward(reducer, [2, 0, 1]) == [False, False, True]
+
+
+def test_unfinished_buckets_are_those_that_took_a_gradient(one_rank: None) -> None:
+    reducer = _reducer(params=_params((2, 3)), caps=BucketCaps.from_user(None, None))
+    assert reducer.unfinished_buckets() == []
+    reducer.prepare_for_backward()
+    assert reducer.unfinished_buckets() == [], "armed, nothing taken yet"
+    _grad(reducer, 0, 1.0)
+    reducer.mark_ready(0)
+    assert reducer.unfinished_buckets() == [0]
+    _grad(reducer, 1, 1.0)
+    reducer.mark_ready(1)
+    reducer.finalize()
+    assert reducer.unfinished_buckets() == []
+
+
+def test_a_gradient_marked_twice_names_the_parameter(one_rank: None) -> None:
+    reducer = _reducer()
+    _backward(reducer, [2], finalize=False)
+    _grad(reducer, 2, 1.0)
+    with pytest.raises(RuntimeError, match=r"only once. Parameter c \(index 2\) .* on rank 0"):
+        reducer.mark_ready(2)
+
+
+def test_an_unfinished_iteration_names_what_is_missing_and_the_next_one_runs(one_rank: None) -> None:
+    reducer = _reducer()
+    _backward(reducer, [1], finalize=False)
+    with pytest.raises(RuntimeError, match=r"rank 0: a \(index 0\), c \(index 2\)\n"):
+        reducer.prepare_for_backward()
+    assert reducer.state is ReducerState.IDLE and reducer.unfinished_buckets() == []
+    _backward(reducer, [2, 1, 0])
+    assert reducer.reductions == 1 and [float(p.grad[0]) for p in reducer.params] == [1.0, 2.0, 3.0]
+
+
+def test_an_abandoned_iteration_tells_the_sharded_optimizer_once(one_rank: None) -> None:
+    reducer = _reducer()
+    dropped: list[str] = []
+    reducer.set_sharded(lambda bucket: torch.futures.Future(), lambda bucket, written: None,
+                        lambda: dropped.append("abandoned"))
+    reducer.prepare_for_backward()
+    _grad(reducer, 0, 1.0)
+    reducer.mark_ready(0)  # its bucket (2) waits for the two before it: nothing launched yet
+    with pytest.raises(RuntimeError, match="finished reduction in the prior iteration"):
+        reducer.prepare_for_forward()
+    assert dropped == ["abandoned"]
+
+
+def test_set_sharded_is_refused_twice_and_during_an_iteration(one_rank: None) -> None:
+    reducer = _reducer()
+    assert not reducer.sharded
+    reducer.prepare_for_backward()
+    _grad(reducer, 2, 1.0)
+    reducer.mark_ready(2)
+    start = (lambda bucket: torch.futures.Future(), lambda bucket, written: None, lambda: None)
+    with pytest.raises(RuntimeError, match="between iterations; the reducer is reducing on rank 0"):
+        reducer.set_sharded(*start)
+    fresh = _reducer()
+    fresh.set_sharded(*start)
+    assert fresh.sharded
+    assert [p.storage.buffer.numel() for p in fresh.pipelines] == [4, 3, 2], "padded to the world size (1)"
+    with pytest.raises(RuntimeError, match="already attached"):
+        fresh.set_sharded(*start)
+
+
+def test_the_fence_is_replaced_only_between_iterations(one_rank: None) -> None:
+    reducer = _reducer()
+    first, other = reducer.fence, Fence()
+    assert reducer.replace_fence(other) is first and reducer.fence is other
+    _backward(reducer, [2], finalize=False)
+    with pytest.raises(RuntimeError, match=r"reducer is reducing with buckets \[0\] in flight"):
+        reducer.replace_fence(Fence())
+    assert reducer.fence is other
+
+
+def test_a_gradient_outside_a_synchronized_backward_stays_local(one_rank: None) -> None:
+    reducer = _reducer()
+    reducer.sync_flags.requested = False  # no_sync(): the forward did not arm
+    reducer.sync_flags.forward_synced = False
+    _grad(reducer, 1, 5.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a local gradient under no_sync is what the user asked for
+        assert reducer.mark_ready(1) is False
+    assert reducer.local_gradients_since_reduction and reducer.state is ReducerState.IDLE
+    assert float(reducer.params[1].grad[0]) == 5.0
+    reducer.sync_flags.requested = True
+    _backward(reducer, [2, 1, 0])
+    assert not reducer.local_gradients_since_reduction, "the reduction took the local gradients in"
+
+
+def test_a_second_backward_of_one_forward_is_local_and_warned(one_rank: None) -> None:
+    reducer = _reducer()
+    _backward(reducer, [2, 1, 0])
+    _grad(reducer, 0, 1.0)
+    with pytest.warns(UserWarning, match="a backward ran after this wrapper's reduction had finished"):
+        assert reducer.mark_ready(0) is False
+    assert reducer.local_gradients_since_reduction
+
+
+def test_a_synchronized_backward_under_no_sync_is_reduced_and_warned(one_rank: None) -> None:
+    reducer = _reducer()
+    reducer.prepare_for_backward()
+    reducer.sync_flags.requested = False  # set after the forward: the forward decided
+    _grad(reducer, 2, 1.0)
+    with pytest.warns(UserWarning, match="ARE being reduced"):
+        reducer.mark_ready(2)
+    assert reducer.state is ReducerState.REDUCING
+
+
+def test_local_gradients_cleared_before_the_next_forward_are_warned(one_rank: None) -> None:
+    reducer = _reducer()
+    reducer.sync_flags.requested = reducer.sync_flags.forward_synced = False
+    _grad(reducer, 1, 1.0)
+    reducer.mark_ready(1)
+    reducer.params[1].grad = None  # zero_grad(set_to_none=True)
+    reducer.sync_flags.requested = True
+    with pytest.warns(UserWarning, match=r"zero_grad\(\) \(or setting .grad to None\) before this forward"):
+        reducer.prepare_for_backward()
+
+
+def test_local_gradients_kept_until_the_next_forward_are_not_warned(one_rank: None) -> None:
+    reducer = _reducer()
+    reducer.sync_flags.requested = reducer.sync_flags.forward_synced = False
+    _grad(reducer, 1, 1.0)
+    reducer.mark_ready(1)
+    reducer.sync_flags.requested = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reducer.prepare_for_backward()
+
+
+def test_detached_watchers_stop_watching_gradient_writes(one_rank: None) -> None:
+    reducer = _reducer(caps=BucketCaps.from_user(None, None))
+    reducer.watch_gradient_writes()
+    reducer.watch_gradient_writes()
+    reducer.watch_gradient_writes(False)
+    _backward(reducer, [2, 1, 0], finalize=False)
+    reducer.params[0].grad.mul_(2)  # written after its copy-in, while one watcher is attached
+    with pytest.raises(RuntimeError, match=r"gradients of a \(bucket 0\) were changed on rank 0"):
+        reducer.finalize()
+    reducer.watch_gradient_writes(False)
+    _backward(reducer, [2, 1, 0], finalize=False)
+    reducer.params[0].grad.mul_(2)  # nobody watches: the reduced value replaces it, as in DDP
+    reducer.finalize()
+    assert float(reducer.params[0].grad[0]) == 1.0
+
+
+def test_the_nonfinite_check_is_switched_by_the_setter(one_rank: None) -> None:
+    reducer = _reducer()
+    assert reducer.checks_nonfinite is False
+    reducer.set_nonfinite_check(True)
+    assert reducer.checks_nonfinite is True
+    reducer.prepare_for_backward()
+    _grad(reducer, 2, float("nan"))
+    with pytest.raises(FloatingPointError, match="rank 0: c"):
+        reducer.mark_ready(2)
+    assert reducer.state is ReducerState.IDLE, "every rank stops before the bucket: the iteration is dropped"
+    reducer.set_nonfinite_check(False)
+    _backward(reducer, [2, 1, 0])
+    assert reducer.reductions == 1
+
+
+def test_the_reduction_callbacks_run_per_bucket_then_once(one_rank: None) -> None:
+    reducer = _reducer()
+    seen: list[Any] = []
+    reducer.set_reduction_callbacks(lambda params: seen.append([_index(reducer, p) for p in params]),
+                                    lambda: seen.append("all"))
+    _backward(reducer, [2, 1, 0])
+    assert seen == [[2], [1], [0], "all"]
+    reducer.set_reduction_callbacks(None, None)
+    _backward(reducer, [2, 1, 0])
+    assert seen == [[2], [1], [0], "all"]
+
+
+def test_static_graph_is_enabled_only_before_the_first_backward(one_rank: None) -> None:
+    reducer = _reducer()
+    reducer.enable_static_graph()
+    assert reducer.options.static_graph and reducer.learns_graph_next
+    after = _reducer()
+    _backward(after, [2, 1, 0])
+    with pytest.raises(RuntimeError, match=r"before the first backward and before load_bucket_state \(rank 0\)"):
+        after.enable_static_graph()
+    armed = _reducer()
+    armed.prepare_for_backward()
+    _grad(armed, 2, 1.0)
+    armed.mark_ready(2)
+    with pytest.raises(RuntimeError, match="before the first backward"):
+        armed.enable_static_graph()
+    restored = _reducer()
+    restored.restore_bucket_order([0, 1, 2])
+    with pytest.raises(RuntimeError, match="before the first backward"):
+        restored.enable_static_graph()
+
+
+def test_a_static_graph_learns_in_its_first_backward_then_overlaps(one_rank: None) -> None:
+    reducer = _reducer(options=ReducerOptions(static_graph=True))
+    assert reducer.learns_graph_next and not reducer.needs_end_of_backward_trigger
+    reducer.prepare_for_backward()
+    assert reducer.mode is GraphMode.LEARNING_STATIC and reducer.state is ReducerState.ARMED
+    assert reducer.needs_end_of_backward_trigger
+    for i in (2, 0):  # b is never used
+        _grad(reducer, i, 1.0)
+        assert reducer.mark_ready(i) is False
+        assert reducer.state is ReducerState.LEARNING
+    _grad(reducer, 0, 1.0)
+    assert reducer.mark_ready(0) is False, "a second firing is counted, not an error, while learning"
+    reducer.reduce_at_end_of_backward()
+    assert reducer.state is ReducerState.IDLE and not reducer.learns_graph_next and reducer.reductions == 1
+    assert reducer.params[1].grad is None, "unused in the learned graph: left alone"
+    reducer.prepare_for_backward()
+    assert reducer.mode is GraphMode.STATIC and not reducer.needs_end_of_backward_trigger
+    _grad(reducer, 2, 1.0)
+    assert reducer.mark_ready(2) is False
+    _grad(reducer, 0, 1.0)
+    assert reducer.mark_ready(0) is False, "fired once of the two times it fired in the first backward"
+    assert reducer.mark_ready(0) is True, "its second firing makes it final; b is unused: all launched"
+    reducer.finalize()
+    assert reducer.reductions == 2
+
+
+def test_a_learned_static_graph_refuses_a_new_parameter_and_an_extra_firing(one_rank: None) -> None:
+    reducer = _reducer(options=ReducerOptions(static_graph=True))
+    reducer.prepare_for_backward()
+    for i in (2, 0):
+        _grad(reducer, i, 1.0)
+        reducer.mark_ready(i)
+    reducer.reduce_at_end_of_backward()
+    reducer.prepare_for_backward()
+    _grad(reducer, 1, 1.0)
+    with pytest.raises(RuntimeError, match=r"parameter b \(index 1\) was unused in the first iteration .* rank 0"):
+        reducer.mark_ready(1)
+    reducer = _reducer(options=ReducerOptions(static_graph=True))
+    _learn(reducer, [2, 1, 0])
+    reducer.prepare_for_backward()
+    _grad(reducer, 2, 1.0)
+    reducer.mark_ready(2)
+    with pytest.raises(RuntimeError, match=r"only once. Parameter c \(index 2\)"):
+        reducer.mark_ready(2)  # fired more often than in the first backward
+
+
+def _learn(reducer: Reducer, order: list[int]) -> None:
+    reducer.prepare_for_backward()
+    for i in order:
+        _grad(reducer, i, 1.0)
+        reducer.mark_ready(i)
+    reducer.reduce_at_end_of_backward()
+
+
+def test_unused_parameters_are_counted_in_with_the_first_gradient(one_rank: None) -> None:
+    options = ReducerOptions(find_unused_parameters=True)
+    params = _params()
+    reducer = _reducer(params=params, options=options)
+    out = (params[0] * 2).sum() + (params[2] * 3).sum()  # b is not used by this forward
+    reducer.prepare_for_forward()
+    reducer.prepare_for_backward([out])
+    assert reducer.mode is GraphMode.OVERLAP and not reducer.needs_end_of_backward_trigger
+    log = FenceLog()
+    reducer.fence.log = log
+    _grad(reducer, 2, 1.0)
+    assert reducer.mark_ready(2) is False
+    assert [e.bucket for e in log.edges if e.edge == "launched"] == [0, 1], "b's bucket is full at once"
+    _grad(reducer, 0, 1.0)
+    assert reducer.mark_ready(0) is True
+    reducer.finalize()
+    assert params[1].grad is None, "globally unused: left untouched"
+
+
+def test_skipped_buckets_of_unused_parameters_are_never_launched(one_rank: None) -> None:
+    options = ReducerOptions(find_unused_parameters=True, skip_all_reduce_unused_params=True)
+    params = _params()
+    reducer = _reducer(params=params, options=options)
+    log = FenceLog()
+    reducer.fence.log = log
+    reducer.prepare_for_backward([(params[0] * 2).sum()])
+    _grad(reducer, 0, 1.0)
+    assert reducer.mark_ready(0) is True
+    reducer.finalize()
+    assert [e.bucket for e in log.edges if e.edge in ("launched", "completed")] == [2, 2], "only a's bucket"
+    assert params[1].grad is None and params[2].grad is None
+
+
+def test_a_reentrant_checkpoint_that_hides_parameters_defers_to_the_end(one_rank: None) -> None:
+    options = ReducerOptions(find_unused_parameters=True)
+    params = _params()
+    reducer = _reducer(params=params, options=options)
+    x = torch.ones(2, requires_grad=True)
+    hidden = torch.utils.checkpoint.checkpoint(lambda t: t * params[0], x, use_reentrant=True)
+    reducer.prepare_for_backward([hidden.sum() + (params[2] * 1).sum()])
+    assert reducer.mode is GraphMode.COUNTING_ONLY
+    assert reducer.needs_end_of_backward_trigger
+    _grad(reducer, 2, 1.0)
+    assert reducer.mark_ready(2) is False and reducer.state is ReducerState.LEARNING
+    _grad(reducer, 0, 1.0)
+    assert reducer.mark_ready(0) is False, "counted only"
+    reducer.reduce_at_end_of_backward()
+    assert reducer.state is ReducerState.IDLE and params[1].grad is None
+    assert float(params[0].grad[0]) == 1.0
+
+
+def test_a_checkpoint_over_activations_only_keeps_the_overlap(one_rank: None) -> None:
+    options = ReducerOptions(find_unused_parameters=True)
+    params = _params()
+    reducer = _reducer(params=params, options=options)
+    x = torch.ones(2, requires_grad=True)
+    hidden = torch.utils.checkpoint.checkpoint(lambda t: t * 2, x, use_reentrant=True)
+    outputs = [(hidden * params[0]).sum() + (params[1].sum() + params[2].sum())]
+    reducer.prepare_for_backward(outputs)
+    assert reducer.mode is GraphMode.OVERLAP
+
+
+def test_what_the_reducer_reports_about_its_layout(one_rank: None) -> None:
+    reducer = _reducer()
+    assert reducer.caps is ONE_BYTE
+    sparse = reducer.sparse_gradient
+    sparse.append(True)
+    assert reducer.sparse_gradient == [False, False, False], "a copy"
+    assert reducer.bucket_order() is None and reducer.tuned_buckets() is None
+    assert not reducer.has_rebuilt_buckets
+    _backward(reducer, [0, 2, 1])
+    reducer.prepare_for_forward()  # DDP's one rebuild, from the order of the first backward
+    assert reducer.has_rebuilt_buckets
+    assert reducer.bucket_order() == [0, 2, 1]
+
+
+def test_a_restored_order_is_adopted_and_none_changes_nothing(one_rank: None) -> None:
+    reducer = _reducer()
+    before = reducer.plan
+    reducer.restore_bucket_order(None)
+    assert reducer.plan is before
+    reducer.restore_bucket_order([1, 0, 2])
+    assert reducer.bucket_order() == [1, 0, 2] and reducer.plan.buckets == ((1,), (0,), (2,))
+
+
+def test_a_new_layout_with_bucket_views_moves_the_gradients_along(one_rank: None) -> None:
+    reducer = _reducer(options=ReducerOptions(gradient_as_bucket_view=True))
+    _backward(reducer, [0, 2, 1])
+    reducer.prepare_for_forward()  # rebuilt: the same buckets in another order, new buffers
+    for i, param in enumerate(reducer.params):
+        assert float(param.grad[0]) == i + 1.0
+        storage = reducer.pipelines[reducer.plan.locate()[i][0]].storage
+        assert param.grad.data_ptr() == storage.views[0].data_ptr(), f"{NAMES[i]}'s grad is its new view"
+
+
+def test_a_forward_from_inside_backward_is_refused_only_with_buckets_in_flight(one_rank: None) -> None:
+    reducer = _reducer()
+    reducer.check_not_in_backward()  # not in a backward
+    _backward(reducer, [2], finalize=False)
+    reducer.check_not_in_backward()  # in flight, but not in a backward
+    seen: list[str] = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            try:
+                reducer.check_not_in_backward()
+            except RuntimeError as error:
+                seen.append(str(error))
+            return grad
+
+    Probe.apply(torch.ones(1, requires_grad=True)).sum().backward()
+    assert len(seen) == 1 and "on rank 0 while buckets [0] are being reduced" in seen[0]
+
+
+def test_a_comm_hook_and_token_weighting_are_the_reductions(one_rank: None) -> None:
+    reducer = _reducer()
+    assert reducer.comm_hook is None
+
+    def doubled(state: Any, bucket: Any) -> torch.futures.Future:
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(bucket.buffer() * 2)
+        return future
+
+    reducer.set_comm_hook("state", doubled)
+    assert reducer.comm_hook == ("state", doubled)
+    _backward(reducer, [2, 1, 0])
+    assert [float(p.grad[0]) for p in reducer.params] == [2.0, 4.0, 6.0]
+    weighted = _reducer()
+    weighted.enable_token_weighting().add(4)
+    _backward(weighted, [2, 1, 0])
+    assert [float(p.grad[0]) for p in weighted.params] == [0.25, 0.5, 0.75]
+
+
+def test_a_joined_ranks_shadow_backward_counts_as_no_reduction(one_rank: None) -> None:
+    reducer = _reducer(options=ReducerOptions(find_unused_parameters=True))
+    reducer.shadow_backward()
+    assert reducer.reductions == 0 and reducer.state is ReducerState.IDLE
+    assert all(p.grad is None for p in reducer.params)
+
+
+def test_the_delayed_all_reduce_launches_once_per_synchronized_backward(one_rank: None) -> None:
+    delayed_param = torch.zeros(2, requires_grad=True)
+    delayed = DelayedReduction([delayed_param], ["d"], dist.group.WORLD)
+    reducer = _reducer(delayed=delayed)
+    reducer.launch_delayed()
+    assert not delayed.launched, "not in a synchronized backward"
+    reducer.prepare_for_backward()
+    delayed_param.grad = torch.full_like(delayed_param, 3.0)
+    delayed.gradient_ready(0, reducer.fence)
+    reducer.launch_delayed()
+    assert delayed.launched
+    for i in (2, 1, 0):
+        _grad(reducer, i, 1.0)
+        reducer.mark_ready(i)
+    reducer.finalize()
+    assert float(delayed_param.grad[0]) == 3.0 and not delayed.launched
