@@ -1135,4 +1135,44 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "the early return only saves work: for buckets equal to the current ones every compiled frame's cuts are "
         "recomputed equal to those it recorded, so no frame is dropped and the buckets adopted are equal",
     ),
+    Equivalent(
+        "overlapddp/compile_split.py",
+        "_WARNED.append(True) => _WARNED.append(False)",
+        "_WARNED is only read for being non-empty (the warning was given): [False] is as non-empty as [True]",
+    ),
+    Equivalent(
+        "overlapddp/compile_split.py",
+        'elif _MISSING is not None or get_optimize_ddp_mode() != "ddp_optimizer": => '
+        'elif _MISSING is not None or get_optimize_ddp_mode() > "ddp_optimizer":',
+        "get_optimize_ddp_mode refuses any mode outside Dynamo's four (ddp_optimizer, python_reducer, "
+        "python_reducer_without_compiled_forward, no_optimization), and the other three all sort after 'ddp_optimizer'",
+    ),
+    Equivalent(
+        "overlapddp/compile_split.py",
+        "if end == len(nodes) or any(u not in inside for n in nodes[start:end] for u in n.users): => "
+        "if end >= len(nodes) or any(u not in inside for n in nodes[start:end] for u in n.users):",
+        "the ends walked are the cuts, node positions below len(nodes), then len(nodes) itself: end never exceeds it",
+    ),
+    Equivalent(
+        "overlapddp/compile_split.py",
+        'if node.op == "get_attr": => if node.op >= "get_attr":',
+        "placeholders returned on the line before; of the ops left, only 'output' also sorts after 'get_attr', and the "
+        "output node has no users, so whatever its lookup finds records no first use",
+    ),
+    Equivalent(
+        "overlapddp/compile_split.py",
+        'if node.op == "placeholder": => if node.op is "placeholder":',
+        "fx sets node.op from its own literals, which CPython interns: the one 'placeholder' string is this one",
+    ),
+    Equivalent(
+        "overlapddp/reducer.py",
+        "self._usage = UsageMap(len(self.params), self.params[0].device) if tracks_usage else None => "
+        "self._usage = UsageMap(len(self.params), self.params[ -1].device) if tracks_usage else None",
+        _ONE_TRAINABLE_DEVICE,
+    ),
+    Equivalent(
+        "overlapddp/reducer.py",
+        "if self.mode is GraphMode.OVERLAP: => if self.mode == GraphMode.OVERLAP:",
+        "GraphMode members are singletons without a custom __eq__: identity and equality agree",
+    ),
 )
