@@ -190,9 +190,10 @@ def test_set_sharded_is_refused_twice_and_during_an_iteration(one_rank: None) ->
     with pytest.raises(RuntimeError, match="between iterations; the reducer is reducing on rank 0"):
         reducer.set_sharded(*start)
     fresh = _reducer()
+    assert [p.storage.padded.numel() for p in fresh.pipelines] == [4, 3, 2], "unsharded: no padding"
     fresh.set_sharded(*start)
     assert fresh.sharded
-    assert [p.storage.buffer.numel() for p in fresh.pipelines] == [4, 3, 2], "padded to the world size (1)"
+    assert [p.storage.padded.numel() for p in fresh.pipelines] == [4, 3, 2], "padded to the world size (1)"
     with pytest.raises(RuntimeError, match="already attached"):
         fresh.set_sharded(*start)
 
@@ -503,7 +504,10 @@ def test_a_comm_hook_and_token_weighting_are_the_reductions(one_rank: None) -> N
     reducer = _reducer()
     assert reducer.comm_hook is None
 
+    seen: list[tuple[int, bool, int]] = []
+
     def doubled(state: Any, bucket: Any) -> torch.futures.Future:
+        seen.append((bucket.index(), bucket.is_last(), bucket.buffer().numel()))
         future: torch.futures.Future = torch.futures.Future()
         future.set_result(bucket.buffer() * 2)
         return future
@@ -512,6 +516,7 @@ def test_a_comm_hook_and_token_weighting_are_the_reductions(one_rank: None) -> N
     assert reducer.comm_hook == ("state", doubled)
     _backward(reducer, [2, 1, 0])
     assert [float(p.grad[0]) for p in reducer.params] == [2.0, 4.0, 6.0]
+    assert seen == [(0, False, 4), (1, False, 3), (2, True, 2)], "as DDP's buckets: unpadded, the last one last"
     weighted = _reducer()
     weighted.enable_token_weighting().add(4)
     _backward(weighted, [2, 1, 0])
@@ -541,3 +546,20 @@ def test_the_delayed_all_reduce_launches_once_per_synchronized_backward(one_rank
         reducer.mark_ready(i)
     reducer.finalize()
     assert float(delayed_param.grad[0]) == 3.0 and not delayed.launched
+
+
+def test_a_hook_fired_without_a_gradient_is_not_a_use(one_rank: None) -> None:
+    """As DDP: an output the loss never reached fires its parameters' hooks with no gradient."""
+    for options in (ReducerOptions(find_unused_parameters=True), ReducerOptions(static_graph=True)):
+        params = _params()
+        reducer = _reducer(params=params, options=options)
+        reducer.prepare_for_backward([sum(p.sum() for p in params)])  # the forward used all three
+        for i in (2, 1, 0):
+            if i != 1:
+                _grad(reducer, i, 1.0)
+            reducer.mark_ready(i)
+        if reducer.needs_end_of_backward_trigger:
+            reducer.reduce_at_end_of_backward()
+        else:
+            reducer.finalize()
+        assert params[1].grad is None, f"{options}: b had no gradient on any rank, so it is left alone"
