@@ -276,7 +276,8 @@ class _TwoLayers(torch.nn.Module):
 
 
 def _compile(monkeypatch: pytest.MonkeyPatch, gm: fx.GraphModule, params: list[torch.Tensor],
-             buckets: list[list[int]]) -> list[fx.GraphModule]:
+             buckets: list[list[int]], inputs: list[torch.Tensor] | None = None,
+             fake_modes: list[Any] | None = None) -> list[fx.GraphModule]:
     """Run the splitting compiler on ``gm`` with the given buckets; the graphs the backend was given
     (Dynamo's piece compiler stands in as one backend call per piece: fx traces carry no Dynamo sources)."""
     monkeypatch.setattr(compile_split, "InstructionTranslator",
@@ -287,6 +288,8 @@ def _compile(monkeypatch: pytest.MonkeyPatch, gm: fx.GraphModule, params: list[t
     class EachPiece:
         def __init__(self, split: fx.GraphModule, backend: Any, fake_mode: Any, **configs: Any) -> None:
             self.split, self.backend = split, backend
+            if fake_modes is not None:
+                fake_modes.append(fake_mode)
 
         def run(self, *inputs: torch.Tensor) -> None:
             for piece in self.split.children():
@@ -303,7 +306,7 @@ def _compile(monkeypatch: pytest.MonkeyPatch, gm: fx.GraphModule, params: list[t
         compiled.append(graph)
         return graph.forward
 
-    compile_split._SplittingCompiler(splitter, backend).compile_fn(gm, [torch.ones(2)])
+    compile_split._SplittingCompiler(splitter, backend).compile_fn(gm, [torch.ones(2)] if inputs is None else inputs)
     return compiled
 
 
@@ -316,6 +319,19 @@ def test_a_graph_with_one_piece_goes_to_the_backend_whole_and_two_pieces_each_al
     assert _compile(monkeypatch, gm, params, [[0, 1]]) == [gm]
     pieces = _compile(monkeypatch, gm, params, [[1], [0]])
     assert len(pieces) == 2 and gm not in pieces
+
+
+def test_the_pieces_are_traced_in_the_inputs_fake_mode_or_a_new_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dynamo hands fake inputs: their mode traces the pieces; real ones get a fresh mode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    net = _TwoLayers()
+    gm = fx.symbolic_trace(net)
+    modes: list[Any] = []
+    _compile(monkeypatch, gm, [gm.a, gm.b], [[1], [0]], fake_modes=modes)
+    inputs_mode = FakeTensorMode()
+    _compile(monkeypatch, gm, [gm.a, gm.b], [[1], [0]], [inputs_mode.from_tensor(torch.ones(2))], modes)
+    assert isinstance(modes[0], FakeTensorMode) and modes[1] is inputs_mode
 
 
 def test_a_parameter_input_no_node_uses_closes_no_bucket(monkeypatch: pytest.MonkeyPatch) -> None:

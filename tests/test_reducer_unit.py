@@ -517,10 +517,11 @@ def test_a_comm_hook_and_token_weighting_are_the_reductions(one_rank: None) -> N
     _backward(reducer, [2, 1, 0])
     assert [float(p.grad[0]) for p in reducer.params] == [2.0, 4.0, 6.0]
     assert seen == [(0, False, 4), (1, False, 3), (2, True, 2)], "as DDP's buckets: unpadded, the last one last"
-    weighted = _reducer()
-    weighted.enable_token_weighting().add(4)
-    _backward(weighted, [2, 1, 0])
-    assert [float(p.grad[0]) for p in weighted.params] == [0.25, 0.5, 0.75]
+    for caps in (ONE_BYTE, BucketCaps.from_user(None, None)):  # three buckets, one
+        weighted = _reducer(caps=caps)
+        weighted.enable_token_weighting().add(4)
+        _backward(weighted, [2, 1, 0])
+        assert [float(p.grad[0]) for p in weighted.params] == [0.25, 0.5, 0.75]
 
 
 def test_a_joined_ranks_shadow_backward_counts_as_no_reduction(one_rank: None) -> None:

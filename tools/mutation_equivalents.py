@@ -1175,4 +1175,16 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "if self.mode is GraphMode.OVERLAP: => if self.mode == GraphMode.OVERLAP:",
         "GraphMode members are singletons without a custom __eq__: identity and equality agree",
     ),
+    Equivalent(
+        "overlapddp/compile_split.py",
+        "elif isinstance(saved, int) and _frames_compiled() > saved: => "
+        "elif isinstance(saved, int) and _frames_compiled() != saved:",
+        "Dynamo's frame count only grows: a count that differs from the one saved is larger",
+    ),
+    Equivalent(
+        "overlapddp/reducer.py",
+        "if TYPE_CHECKING: => if not TYPE_CHECKING:",
+        "the guarded import names a type used only in annotations, which this module never evaluates (from __future__ "
+        "import annotations); the tuner sits below the reducer, so importing it at run time opens no cycle",
+    ),
 )
