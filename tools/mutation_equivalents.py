@@ -1187,4 +1187,17 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "the guarded import names a type used only in annotations, which this module never evaluates (from __future__ "
         "import annotations); the tuner sits below the reducer, so importing it at run time opens no cycle",
     ),
+    Equivalent(
+        "overlapddp/wrapper.py",
+        "if shard and (self._reducer.after_bucket_reduced is not None or self._reducer.after_all_reduced is not None): "
+        "=> if shard and (self._reducer.after_bucket_reduced is not None and self._reducer.after_all_reduced is not None):",
+        "the overlapped optimizer sets both callbacks together; the sharded one, which sets only the second, is "
+        "refused by the check just above",
+    ),
+    Equivalent(
+        "overlapddp/wrapper.py",
+        "replaced = dict(zip(map(id, leaves), _EndOfBackward.apply(reducer, *leaves), strict=True)) => "
+        "replaced = dict(zip(map(id, leaves), _EndOfBackward.apply(reducer, *leaves), strict=False))",
+        "the autograd function returns one output per tensor it is given, so the two sequences are always equally long",
+    ),
 )
