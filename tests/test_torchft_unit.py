@@ -5,6 +5,8 @@ registered with the manager, and every refusal. (tests/test_torchft.py runs real
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -233,11 +235,40 @@ def test_refused_options_name_themselves_and_defaults_pass() -> None:
         ("mixed_precision", object(), "mixed_precision"),
         ("mixed_precision", "ddp", "mixed_precision='ddp'"),
         ("bucket_plan", "tuned", "bucket_plan='tuned'"),
+        ("bucket_plan", "auto", "bucket_plan='auto'"),  # sorts before 'ddp': refused here, not by OverlapDDP
         ("process_group", object(), "process_group"),
     ):
         with pytest.raises(ValueError, match=rf"torchft: {shown} is not supported: {ours.REFUSED[name][:30]}"):
             ours.DistributedDataParallel(StandInManager(), net, **{name: value})
     ours.DistributedDataParallel(StandInManager(), net, bucket_plan="ddp", process_group=None, device_mesh=None)
+    read_from_a_config = "".join(["dd", "p"])  # equal to the default, not the same object
+    ours.DistributedDataParallel(StandInManager(), net, bucket_plan=read_from_a_config)
+
+
+def test_arguments_go_by_keyword_as_ddps_and_the_guards() -> None:
+    model = ours.DistributedDataParallel(manager=StandInManager(), module=_net(), bucket_state_key="mine")
+    assert "mine" in model.manager.registered
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert isinstance(model.attach_optimizer(optimizer=sgd), OptimizerGuard)
+    with pytest.raises(TypeError):  # the key is keyword-only: a third positional is a mistake
+        ours.DistributedDataParallel(StandInManager(), _net(), "mine")
+
+
+def test_a_group_of_several_ranks_gives_each_rank_a_group_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[int] = []
+    own = object()
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "new_subgroups", lambda group_size: (made.append(group_size), own)[1:] + ([],))
+    assert ours._replica_local_group() is own
+    assert made == [1]
+
+
+def test_the_completion_thread_does_not_keep_the_process_alive() -> None:
+    """Its state alive at exit (a model in a global), the interpreter still ends: the thread is a daemon."""
+    script = ("from overlapddp.integrations.torchft import ManagerReduction\n"
+              "kept = ManagerReduction(object())\n")
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
 
 
 def test_sparse_embeddings_are_listed_and_dense_ones_pass() -> None:
@@ -245,3 +276,6 @@ def test_sparse_embeddings_are_listed_and_dense_ones_pass() -> None:
     with pytest.raises(ValueError, match=r"sparse gradients \(0, 2 have sparse=True\) is not supported"):
         ours.DistributedDataParallel(StandInManager(), sparse)
     ours.DistributedDataParallel(StandInManager(), nn.Sequential(nn.Embedding(5, 2, sparse=False), nn.Linear(2, 2)))
+    counted = nn.Linear(2, 2)
+    counted.sparse = 1  # an attribute of the same name that is not the flag (a count, a ratio)
+    ours.DistributedDataParallel(StandInManager(), nn.Sequential(counted))

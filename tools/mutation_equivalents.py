@@ -1200,4 +1200,27 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "replaced = dict(zip(map(id, leaves), _EndOfBackward.apply(reducer, *leaves), strict=False))",
         "the autograd function returns one output per tensor it is given, so the two sequences are always equally long",
     ),
+    Equivalent(
+        "overlapddp/integrations/torchft.py",
+        "if dist.get_world_size() == 1: => if dist.get_world_size() <= 1:",
+        "a process group has at least one rank",
+    ),
+    Equivalent(
+        "overlapddp/integrations/torchft.py",
+        'if given is not None and not (name == "bucket_plan" and given == "ddp"): => '
+        'if given is not None and not (name is "bucket_plan" and given == "ddp"):',
+        "name is a key of REFUSED, a literal of this module like the one it is compared with: CPython interns both "
+        "(identifier-like constants), so they are one object",
+    ),
+    Equivalent(
+        "overlapddp/integrations/torchft.py",
+        'if given is not None and not (name == "bucket_plan" and given == "ddp"): => '
+        'if given is not None and not (name <= "bucket_plan" and given == "ddp"):',
+        "name is a key of REFUSED, and no other key sorts before 'bucket_plan'",
+    ),
+    Equivalent(
+        "overlapddp/integrations/torchft.py",
+        "if known is default_hooks.allreduce_hook: => if known == default_hooks.allreduce_hook:",
+        "functions compare equal only to themselves",
+    ),
 )
