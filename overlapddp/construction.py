@@ -144,7 +144,8 @@ def resolve(module: nn.Module, args: Arguments) -> Construction:
     ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
     ignored |= {name for name, _ in delayed}  # as in DDP: they leave the buckets and the init sync
     named: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in module.named_parameters() if n not in ignored]
-    trainable = [(n, p) for n, p in named if p.requires_grad]
+    trainable = _bucketed_parameters(module, ignored, {id(p) for _, p in delayed})
+    _warn_ignored_root_parameters(module, ignored, {n for n, _ in delayed})
     if delayed and not trainable:
         raise NotImplementedError(
             "Every parameter that requires grad is in delay_all_reduce_named_params; OverlapDDP completes the "
@@ -276,6 +277,36 @@ def _expects_sparse_gradient(module: nn.Module, params: list[torch.Tensor]) -> l
     return [
         isinstance(owner.get(id(p)), (nn.Embedding, nn.EmbeddingBag)) and bool(owner[id(p)].sparse) for p in params
     ]
+
+
+def _bucketed_parameters(
+    module: nn.Module, ignored: set[str], delayed: set[int]
+) -> list[tuple[str, torch.Tensor]]:
+    """The parameters DDP reduces in buckets, in its order: each module's own parameters that require
+    grad, an alias admitted unless the name it is matched by is ignored, the first admission kept.
+    So a tied weight ignored under one name is still reduced under another, and a root parameter is
+    matched as ``".w"`` (DDP's spelling), so ``"w"`` in the ignore list does not stop it."""
+    admitted: dict[int, tuple[str, torch.Tensor]] = {}
+    for module_name, owner in module.named_modules():
+        for param_name, param in owner.named_parameters(recurse=False):
+            matched_as = f"{module_name}.{param_name}"
+            if param.requires_grad and matched_as not in ignored and id(param) not in delayed:
+                admitted.setdefault(id(param), (matched_as.removeprefix("."), param))
+    return list(admitted.values())
+
+
+def _warn_ignored_root_parameters(module: nn.Module, ignored: set[str], delayed: set[str]) -> None:
+    """DDP silently reduces a root parameter listed to be ignored (it matches ``".w"``, not ``"w"``);
+    OverlapDDP reduces it too, for DDP's numbers, but says so."""
+    listed = [n for n, p in module.named_parameters(recurse=False) if n in ignored - delayed and p.requires_grad]
+    if listed:
+        warnings.warn(
+            f"The parameters to ignore name {', '.join(listed)}, parameters of the wrapped module itself: DDP matches "
+            "ignored names as '<submodule>.<parameter>', so it still reduces them (it would skip "
+            f"{', '.join(repr('.' + n) for n in listed)}); OverlapDDP reduces them too, to give DDP's numbers.",
+            UserWarning,
+            stacklevel=_USER_FRAME + 1,  # one frame below build()
+        )
 
 
 def _check_parameters(named: list[tuple[str, torch.Tensor]], trainable: list[tuple[str, torch.Tensor]]) -> None:

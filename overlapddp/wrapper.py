@@ -98,13 +98,15 @@ class OverlapDDP(nn.Module, Joinable):
         splitter and mixed precision's casts."""
         self.process_group = process_group
         self._recipe = recipe
-        self._reducer = recipe.build(dict(self.module.named_parameters()), process_group, self._sync_flags)
+        every_alias = dict(self.module.named_parameters(remove_duplicate=False))  # a tied weight may go by its second
+        self._reducer = recipe.build(every_alias, process_group, self._sync_flags)
         self._hook_handles = _register_ready_hooks(self._reducer, self._reducer.params)
         delayed = self._reducer.delayed
         if delayed is not None:
             hook_param = self.module.get_parameter(cast(str, recipe.hook_parameter))  # named with delayed ones
             self._hook_handles += _register_delayed_hooks(self._reducer, delayed, hook_param)
         self._graph_splitter = GraphSplitter(self._reducer, self.bucket_bytes_cap)  # see compile_split.py
+        self._hook_is_builtin = False  # DDP's _comm_hooks records registered hooks, not built-in ones
         self._mixed_precision: tuple[MixedPrecision, ParameterCasts] | None = None
         if self.mixed_precision is not None:
             self._set_up_mixed_precision(MixedPrecision(self.mixed_precision))
@@ -331,10 +333,11 @@ class OverlapDDP(nn.Module, Joinable):
 
     @property
     def _comm_hooks(self) -> list[tuple[CommHook, object]]:
-        """DDP's record of the user's hook as ``[(hook, state)]``, read from the reducer's one copy
-        (mixed precision's own reduction is not a user hook, as in DDP)."""
+        """DDP's record of ``register_comm_hook`` as ``[(hook, state)]``, read from the reducer's one
+        copy: mixed precision's reduction is there (DDP registers its own the same way), a built-in
+        hook is not."""
         registered = self._reducer.comm_hook
-        if registered is None or self._mixed_precision is not None:
+        if registered is None or self._hook_is_builtin:
             return []
         state, hook = registered
         return [(hook, state)]
@@ -344,6 +347,7 @@ class OverlapDDP(nn.Module, Joinable):
         hook = builtin_hook(comm_hook_type)
         self._refuse_hook_beside_mixed_precision()
         self._reducer.set_comm_hook(self.process_group, hook)
+        self._hook_is_builtin = True
 
     def _refuse_hook_beside_mixed_precision(self) -> None:
         """DDP's error (a second hook), saying which hook came first: the user never registered one."""
@@ -417,11 +421,13 @@ class OverlapDDP(nn.Module, Joinable):
     def _attach_sharded(self, optimizer: torch.optim.Optimizer, **switches: Any) -> ShardedOptimizer:
         """Check everything that decides whether sharding works (no collective), then shard."""
         options, registered = self._reducer.options, self._reducer.comm_hook
+        module_params = {id(p): n for n, p in self.module.named_parameters()}  # a tied one by its first name
+        reduced = {id(p) for p in self._reducer.params}
         request = ShardRequest(
             params=self._reducer.params,
             names=self._reducer.names,
-            module_params={id(p): n for n, p in self.module.named_parameters(remove_duplicate=False)},
-            ignored=frozenset(self.parameters_to_ignore),
+            module_params=module_params,
+            ignored=frozenset(n for i, n in module_params.items() if i not in reduced),
             options={
                 "overlap": switches["overlap"],
                 "scaler": switches["scaler"] is not None and switches["scaler"].is_enabled(),

@@ -300,6 +300,21 @@ def test_a_param_group_added_after_attaching_is_refused(one_rank: None) -> None:
     assert len(opt.param_groups) == 1
 
 
+@pytest.mark.parametrize("ignore, refused", [(["head.weight"], None), (["embed.weight"], None),
+                                              (["embed.weight", "head.weight"], "embed.weight")])
+def test_a_tied_weight_is_refused_only_when_no_name_of_it_is_reduced(
+    one_rank: None, ignore: list[str], refused: str | None
+) -> None:
+    """Ignored under one of its names, a tied weight is still reduced under the other (as by DDP):
+    it has a shard. Ignored under both it has none, and is named by its first name."""
+    net = models.build("tied_lm")
+    OverlapDDP._set_params_and_buffers_to_ignore_for_model(net, ignore)
+    model = OverlapDDP(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=rf"wrapper ignores \({refused}\)") if refused else nullcontext():
+        model.attach_optimizer(opt, shard=True)
+
+
 def _pair(model: str, make: MakeOptimizer, cap: float | None = TINY) -> tuple[Any, Any, Any, Any, ShardedOptimizer]:
     """DDP with a plain optimizer, OverlapDDP with a sharded one, both fresh from the same seed."""
     ddp = DistributedDataParallel(models.build(model), bucket_cap_mb=cap)

@@ -285,6 +285,53 @@ def test_set_params_and_buffers_to_ignore_marks_the_module_as_ddp_does(one_rank)
     assert marked[0] == marked[1] == (["0.bias", "1.running_mean"], ["0.bias", "1.running_mean"])
 
 
+def _ignored_by_one_name(rank: int, world_size: int) -> list[list[bool]]:
+    """DDP reduces a tied weight ignored under its first name (its second admits it, later in the
+    order) and a root parameter ignored by its plain name (DDP matches it as '.scale'): per step,
+    whether both wrappers' states are bit-equal, a small bucket cap making the order count."""
+    equal = []
+    for name, ignore in (("tied_lm", ["embed.weight"]), ("scaled_mlp", ["scale"])):
+        ddp_net, our_net = models.build(name), models.build(name)
+        for net in (ddp_net, our_net):
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(net, ignore)
+        ddp = DistributedDataParallel(ddp_net, bucket_cap_mb=0.01)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ours = OverlapDDP(our_net, bucket_cap_mb=0.01)
+        assert [str(w.message).count("it would skip '.scale'") for w in caught] == ([1] if name == "scaled_mlp" else [])
+        equal.append(models.train_side_by_side(name, rank, 3, ddp, ours))
+    return equal
+
+
+def test_a_parameter_ignored_by_one_of_its_names_is_reduced_as_ddp_reduces_it():
+    assert run_ranks(3, _ignored_by_one_name) == [[[True] * 3] * 2] * 3
+
+
+def test_the_reduced_parameters_are_ddps_in_its_order_whatever_names_are_ignored(one_rank):
+    class Aliased(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(2))
+            self.a, self.b, self.shared = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+            self.b.weight = self.a.weight
+            self.c = self.shared  # one module under two names
+
+    for ignore in (["a.weight"], ["b.weight"], ["a.weight", "b.weight"], ["w"], [".w"], ["shared.weight"],
+                   ["c.weight"], ["a.bias"]):
+        reduced = []
+        for wrapper in (DistributedDataParallel, OverlapDDP):
+            torch.manual_seed(0)
+            net = Aliased()
+            wrapper._set_params_and_buffers_to_ignore_for_model(net, ignore)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the root parameter's warning, tested above
+                wrapped = wrapper(net)
+            params = wrapped._build_params_for_reducer()[0] if wrapper is DistributedDataParallel else wrapped._reducer.params
+            names = {id(p): n for n, p in net.named_parameters()}  # a tied one by its first name
+            reduced.append([names[id(p)] for p in params])
+        assert reduced[0] == reduced[1], ignore
+
+
 def _late_static_graph(rank: int, world_size: int, switch_ours: bool, find_unused: bool = False) -> list[bool] | str:
     """DDP and OverlapDDP each switched to a static graph after construction, as older scripts do
     (with find_unused_parameters, both keep the buckets sized at construction)."""

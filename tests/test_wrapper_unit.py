@@ -332,7 +332,8 @@ def test_mixed_precision_refuses_every_other_hook_and_records_none(one_rank: Non
     with pytest.raises(RuntimeError) as refused:
         model._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
     assert str(refused.value) == MIXED_PRECISION_HOOK
-    assert model._comm_hooks == []  # its own reduction is no user hook
+    [(hook, state)] = model._comm_hooks  # its own reduction, registered as DDP registers its upcast hook
+    assert (state, hook) == model._reducer.comm_hook
 
 
 @pytest.mark.parametrize(("kind", "expected"), [
@@ -342,6 +343,7 @@ def test_mixed_precision_refuses_every_other_hook_and_records_none(one_rank: Non
 def test_the_builtin_hooks_reduce_with_ddps_arithmetic(one_rank: None, kind: Any, expected: torch.Tensor) -> None:
     model = OverlapDDP(nn.Linear(1, 1, bias=False))
     model._register_builtin_comm_hook(kind)
+    assert model._comm_hooks == []  # as DDP's: a built-in hook is not recorded there
     model(torch.full((1, 1), 0.1)).sum().backward()
     assert torch.equal(model.module.weight.grad, expected.reshape(1, 1))
 
@@ -814,8 +816,9 @@ def test_mixed_precision_casts_buffers_once_and_inputs_and_parameters_per_forwar
 
 def test_mixed_precision_leaves_ignored_parameters_in_full_precision(one_rank: None) -> None:
     net = _mlp()
-    net.register_parameter("kept", nn.Parameter(torch.zeros(1)))  # not used by the forward
-    OverlapDDP._set_params_and_buffers_to_ignore_for_model(net, ["kept"])
+    net[0].register_parameter("kept", nn.Parameter(torch.zeros(1)))  # not used by the forward
+    OverlapDDP._set_params_and_buffers_to_ignore_for_model(net, ["0.kept"])
     model = OverlapDDP(net, mixed_precision=BF16)
     model(torch.ones(4, 3))
-    assert [(n, p.dtype) for n, p in net.named_parameters()][:2] == [("kept", torch.float32), ("0.weight", torch.bfloat16)]
+    assert [(n, p.dtype) for n, p in net.named_parameters()][1:4] == [
+        ("0.bias", torch.bfloat16), ("0.kept", torch.float32), ("1.weight", torch.bfloat16)]
