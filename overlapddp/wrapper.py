@@ -98,7 +98,8 @@ class OverlapDDP(nn.Module, Joinable):
         splitter and mixed precision's casts."""
         self.process_group = process_group
         self._recipe = recipe
-        every_alias = dict(self.module.named_parameters(remove_duplicate=False))  # a tied weight may go by its second
+        # Every alias: the recipe may name a tied weight by its second name (see construction.py).
+        every_alias: dict[str, torch.Tensor] = dict(self.module.named_parameters(remove_duplicate=False))
         self._reducer = recipe.build(every_alias, process_group, self._sync_flags)
         self._hook_handles = _register_ready_hooks(self._reducer, self._reducer.params)
         delayed = self._reducer.delayed
