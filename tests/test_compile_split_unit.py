@@ -178,6 +178,16 @@ def test_a_new_layout_drops_each_frame_whose_cuts_it_moves_once(resets: list[Any
     assert resets == [moved, kept] and splitter.recompiles == 2, "counted over every layout change"
 
 
+def test_a_frame_whose_cuts_a_new_layout_keeps_is_not_traced_again(resets: list[Any]) -> None:
+    """Its cuts recomputed equal the recorded ones (a new tuple, equal by value): the frame stays."""
+    splitter = GraphSplitter(FakeReducer([]), bucket_bytes_cap=1)  # type: ignore[arg-type]
+    code = _code("kept")
+    splitter._follow([[0], [1]])
+    assert splitter._record(code, {0: 4, 1: 2}) == (4,)
+    splitter._follow([[2], [0], [1]])  # another bucket, of a parameter this frame does not use
+    assert resets == [] and splitter.recompiles == 0 and [g.code for g in splitter._compiled] == [code]
+
+
 def test_going_back_to_ddps_byte_cuts_drops_every_frame(resets: list[Any]) -> None:
     splitter = GraphSplitter(FakeReducer([]), bucket_bytes_cap=1)  # type: ignore[arg-type]
     first, second = _code("first"), _code("second")

@@ -476,6 +476,59 @@ def test_a_new_layout_with_bucket_views_moves_the_gradients_along(one_rank: None
         assert param.grad.data_ptr() == storage.views[0].data_ptr(), f"{NAMES[i]}'s grad is its new view"
 
 
+def test_a_new_layout_with_bucket_views_passes_over_a_sparse_bucket(one_rank: None) -> None:
+    """A sparse bucket has no views: the gradients that move are the dense buckets' only."""
+    params = _params()
+    reducer = Reducer(params, NAMES[:3], dist.group.WORLD, Fence(), ONE_BYTE, [True, False, False],
+                      ReducerOptions(gradient_as_bucket_view=True))
+    reducer.prepare_for_forward()
+    reducer.prepare_for_backward()
+    for i in (0, 2, 1):
+        dense = torch.full_like(params[i], i + 1.0)
+        params[i].grad = dense.to_sparse() if i == 0 else dense
+        reducer.mark_ready(i)
+    reducer.finalize()
+    reducer.prepare_for_forward()  # rebuilt in the order (0, 2, 1)
+    assert reducer.bucket_order() == [0, 2, 1]
+    assert params[0].grad.is_sparse and [float(p.grad[0]) for p in params[1:]] == [2.0, 3.0]
+
+
+def _many(count: int, caps: BucketCaps, options: ReducerOptions = ReducerOptions()) -> Reducer:
+    """``count`` one-element parameters: more than CPython's cached small integers (up to 256), so
+    counts compared by identity instead of value would differ."""
+    params = _params((1,) * count)
+    return Reducer(params, [f"p{i}" for i in range(count)], dist.group.WORLD, Fence(), caps, [False] * count, options)
+
+
+def test_more_buckets_than_small_integers_all_launch(one_rank: None) -> None:
+    reducer = _many(300, ONE_BYTE)
+    assert not any(_backward(reducer, list(range(299, 0, -1)), finalize=False))
+    assert reducer.mark_ready(0) is True  # the last bucket: every one launched
+    reducer.finalize()
+    assert reducer.state is ReducerState.IDLE
+
+
+def test_more_buckets_than_small_integers_searching_unused_parameters(one_rank: None) -> None:
+    reducer = _many(300, ONE_BYTE, ReducerOptions(find_unused_parameters=True))
+    params = reducer.params
+    out = sum((p * 2).sum() for p in params[1:])  # p0 unused
+    reducer.prepare_for_forward()
+    reducer.prepare_for_backward([out])
+    for i in range(299, 0, -1):
+        _grad(reducer, i, 1.0)
+        reducer.mark_ready(i)
+    reducer.finalize()
+    assert params[0].grad is None and all(float(p.grad[0]) == 1.0 for p in params[1:])
+
+
+def test_a_bucket_of_more_members_than_small_integers_is_untouched_until_a_gradient(one_rank: None) -> None:
+    reducer = _many(301, BucketCaps(first_bytes=1, bytes_cap=1 << 20, per_bucket=(1, 1 << 20)))
+    assert [len(b) for b in reducer.plan.buckets] == [300, 1]
+    [alone] = reducer.plan.buckets[1]
+    _backward(reducer, [alone], finalize=False)
+    assert reducer.unfinished_buckets() == [1]  # bucket 0, untouched, is missing all its 300
+
+
 def test_a_forward_from_inside_backward_is_refused_only_with_buckets_in_flight(one_rank: None) -> None:
     reducer = _reducer()
     reducer.check_not_in_backward()  # not in a backward

@@ -22,6 +22,19 @@ _ONE_TRAINABLE_DEVICE = (
     "(construction._check_parameters): the last one's device is the first one's"
 )
 
+_ENUM_MEMBERS = "enum members are singletons without a custom __eq__: identity and equality agree"
+_FIRES = "a firing count starts at 0 and only grows, so it is never negative: '<= 0' is '== 0'"
+_NEXT_LAUNCH = (
+    "next_launch grows by one from 0 and only while it is below the number of buckets, so it never passes it: "
+    "'<' is '!=' and '==' is '>='"
+)
+_BUCKET_INDEX = "a bucket's index is below the number of buckets, so '>= count - 1' is '== count - 1'"
+_MISSING = "a bucket's missing count starts at its member count and only falls, so '<' is '!='"
+_REDUCER_CALLERS = (
+    "Reducer's callers (the recipe, the tests) pass its first arguments by position and the rest by keyword, "
+    "which both signatures accept alike"
+)
+
 _STACKLEVEL = (
     "stacklevel only chooses which frame the warning is attributed to; levels 2, 3 and 4 are all inside "
     "overlapddp (sync_checks.py, then the reducer, then the wrapper or the reducer's gradient hook), the "
@@ -1222,5 +1235,85 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "overlapddp/integrations/torchft.py",
         "if known is default_hooks.allreduce_hook: => if known == default_hooks.allreduce_hook:",
         "functions compare equal only to themselves",
+    ),
+    Equivalent(
+        "overlapddp/reducer.py",
+        'if self.mode is GraphMode.STATIC: => if self.mode == GraphMode.STATIC:',
+        _ENUM_MEMBERS,
+    ),
+    Equivalent(
+        "overlapddp/reducer.py",
+        'if self.mode is GraphMode.LEARNING_STATIC: => if self.mode == GraphMode.LEARNING_STATIC:',
+        _ENUM_MEMBERS,
+    ),
+    Equivalent(
+        "overlapddp/reducer.py",
+        'if self.state is not ReducerState.IDLE or self.fence.in_flight(): => if self.state != ReducerState.IDLE or self.fence.in_flight():',
+        _ENUM_MEMBERS,
+    ),
+    Equivalent(
+        "overlapddp/reducer.py",
+        'if self.state is not ReducerState.IDLE or current.in_flight(): => if self.state != ReducerState.IDLE or current.in_flight():',
+        _ENUM_MEMBERS,
+    ),
+    Equivalent(
+        "overlapddp/reducer.py",
+        'if self.reductions or self.state is not ReducerState.IDLE or self._layouts.changed: => if self.reductions or self.state != ReducerState.IDLE or self._layouts.changed:',
+        _ENUM_MEMBERS,
+    ),
+    Equivalent(
+        "overlapddp/reducer.py",
+        'if self.state is ReducerState.IDLE: => if self.state == ReducerState.IDLE:',
+        _ENUM_MEMBERS,
+    ),
+    Equivalent(
+        "overlapddp/reducer.py",
+        "dropped = self.state is ReducerState.ARMED  # the previous forward's backward never came => dropped = self.state == ReducerState.ARMED  # the previous forward's backward never came",
+        _ENUM_MEMBERS,
+    ),
+    Equivalent(
+        "overlapddp/reducer.py",
+        'iteration.unused = [i for i, fires in enumerate(iteration.fires) if fires == 0] => iteration.unused = [i for i, fires in enumerate(iteration.fires) if fires <= 0]',
+        _FIRES,
+    ),
+    Equivalent(
+        "overlapddp/reducer.py",
+        'iteration.unused = [] if learned is None else [i for i, fires in enumerate(learned) if fires == 0] => iteration.unused = [] if learned is None else [i for i, fires in enumerate(learned) if fires <= 0]',
+        _FIRES,
+    ),
+    Equivalent(
+        "overlapddp/reducer.py",
+        'if expected == 0: => if expected <= 0:',
+        _FIRES,
+    ),
+    Equivalent(
+        "overlapddp/reducer.py",
+        'while iteration.next_launch < len(self.pipelines) and self.pipelines[iteration.next_launch].filled: => while iteration.next_launch != len(self.pipelines) and self.pipelines[iteration.next_launch].filled:',
+        _NEXT_LAUNCH,
+    ),
+    Equivalent(
+        "overlapddp/reducer.py",
+        'return iteration.next_launch == len(self.pipelines) => return iteration.next_launch >= len(self.pipelines)',
+        _NEXT_LAUNCH,
+    ),
+    Equivalent(
+        "overlapddp/reducer.py",
+        'if iteration.next_launch == len(self.pipelines) and self.options.searches_unused_each_forward: => if iteration.next_launch >= len(self.pipelines) and self.options.searches_unused_each_forward:',
+        _NEXT_LAUNCH,
+    ),
+    Equivalent(
+        "overlapddp/reducer.py",
+        'return BucketPipeline(index, members, storage, self._shared, is_last=index == len(self.plan.buckets) - 1) => return BucketPipeline(index, members, storage, self._shared, is_last=index >= len(self.plan.buckets) - 1)',
+        _BUCKET_INDEX,
+    ),
+    Equivalent(
+        "overlapddp/reducer.py",
+        'return [p.index for p in self.pipelines if p.missing < len(p.members)] => return [p.index for p in self.pipelines if p.missing != len(p.members)]',
+        _MISSING,
+    ),
+    Equivalent(
+        "overlapddp/reducer.py",
+        '*, => /,',
+        _REDUCER_CALLERS,
     ),
 )

@@ -140,7 +140,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "overlapddp/integrations/lightning.py": ("tests/test_integrations_unit.py", "tests/test_frameworks.py"),
     "overlapddp/integrations/pytorch_lightning.py": ("tests/test_frameworks.py",),
     "overlapddp/integrations/transformers.py": ("tests/test_frameworks.py",),
-    "overlapddp/reducer.py": ("tests/test_reducer_unit.py", "tests/test_one_rank_parity.py", "tests/test_ready_order.py", "tests/test_loops.py", "tests/test_parity.py"),
+    "overlapddp/reducer.py": ("tests/test_reducer_unit.py", "tests/test_wrapper_unit.py", "tests/test_one_rank_parity.py", "tests/test_ready_order.py", "tests/test_loops.py", "tests/test_parity.py"),
     "overlapddp/wrapper.py": ("tests/test_wrapper_unit.py", "tests/test_one_rank_parity.py", "tests/test_errors.py", "tests/test_wrapper.py", "tests/test_parity.py"),
 }
 
