@@ -353,6 +353,22 @@ def test_a_static_graph_learns_in_its_first_backward_then_overlaps(one_rank: Non
     assert reducer.reductions == 2
 
 
+def test_a_static_graph_skips_the_buckets_its_first_backward_never_used(one_rank: None) -> None:
+    """skip_all_reduce_unused_params in the learning backward: the parameters that never fired are
+    those counted at its end, and only their bucket is left out."""
+    options = ReducerOptions(static_graph=True, find_unused_parameters=True, skip_all_reduce_unused_params=True)
+    reducer = _reducer(options=options)
+    log = FenceLog()
+    reducer.fence.log = log
+    reducer.prepare_for_forward()
+    reducer.prepare_for_backward()
+    for i in (2, 0):  # b is never used
+        _grad(reducer, i, 1.0)
+        reducer.mark_ready(i)
+    reducer.reduce_at_end_of_backward()
+    assert [e.bucket for e in log.edges if e.edge == "launched"] == [0, 2], "b's bucket (1) skipped"
+
+
 def test_a_learned_static_graph_refuses_a_new_parameter_and_an_extra_firing(one_rank: None) -> None:
     reducer = _reducer(options=ReducerOptions(static_graph=True))
     reducer.prepare_for_backward()
@@ -519,6 +535,22 @@ def test_more_buckets_than_small_integers_searching_unused_parameters(one_rank: 
         reducer.mark_ready(i)
     reducer.finalize()
     assert params[0].grad is None and all(float(p.grad[0]) == 1.0 for p in params[1:])
+
+
+def test_only_the_last_of_more_buckets_than_small_integers_is_last(one_rank: None) -> None:
+    reducer = _many(300, ONE_BYTE)
+    last: list[int] = []
+
+    def recording(state: Any, bucket: Any) -> torch.futures.Future:
+        if bucket.is_last():
+            last.append(bucket.index())
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    reducer.set_comm_hook(None, recording)
+    _backward(reducer, list(range(299, -1, -1)))
+    assert last == [299]
 
 
 def test_a_bucket_of_more_members_than_small_integers_is_untouched_until_a_gradient(one_rank: None) -> None:
