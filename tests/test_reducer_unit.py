@@ -180,6 +180,20 @@ def test_an_abandoned_iteration_tells_the_sharded_optimizer_once(one_rank: None)
     assert dropped == ["abandoned"]
 
 
+def test_an_abandoned_iteration_renews_exactly_the_buckets_in_flight(one_rank: None) -> None:
+    """A collective may still write the launched buckets' buffers: they get new storage; the bucket
+    never launched keeps its own."""
+    reducer = _reducer()
+    reducer.prepare_for_backward()
+    for i in (2, 1):  # buckets 0 and 1 launch
+        _grad(reducer, i, 1.0)
+        reducer.mark_ready(i)
+    before = list(reducer.pipelines)
+    with pytest.raises(RuntimeError, match="finished reduction in the prior iteration"):
+        reducer.prepare_for_forward()
+    assert [now is then for now, then in zip(reducer.pipelines, before, strict=True)] == [False, False, True]
+
+
 def test_set_sharded_is_refused_twice_and_during_an_iteration(one_rank: None) -> None:
     reducer = _reducer()
     assert not reducer.sharded

@@ -1316,4 +1316,11 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         '*, => /,',
         _REDUCER_CALLERS,
     ),
+    Equivalent(
+        "overlapddp/reducer.py",
+        "self._shared.write_watch.watchers += 1 if watching else -1 => "
+        "self._shared.write_watch.watchers += 1 if not watching else -1",
+        "the watcher count is read only as zero or not (bucket_pipeline.py); negating every step negates the "
+        "count, which is zero exactly when it was",
+    ),
 )
