@@ -203,6 +203,10 @@ def test_set_sharded_is_refused_twice_and_during_an_iteration(one_rank: None) ->
     start = (lambda bucket: torch.futures.Future(), lambda bucket, written: None, lambda: None)
     with pytest.raises(RuntimeError, match="between iterations; the reducer is reducing on rank 0"):
         reducer.set_sharded(*start)
+    armed = _reducer()
+    armed.prepare_for_backward()  # nothing in flight yet, but the iteration has begun
+    with pytest.raises(RuntimeError, match="between iterations; the reducer is armed on rank 0"):
+        armed.set_sharded(*start)
     fresh = _reducer()
     assert [p.storage.padded.numel() for p in fresh.pipelines] == [4, 3, 2], "unsharded: no padding"
     fresh.set_sharded(*start)
@@ -220,6 +224,20 @@ def test_the_fence_is_replaced_only_between_iterations(one_rank: None) -> None:
     with pytest.raises(RuntimeError, match=r"reducer is reducing with buckets \[0\] in flight"):
         reducer.replace_fence(Fence())
     assert reducer.fence is other
+    armed = _reducer()
+    armed.prepare_for_backward()  # nothing in flight yet, but the iteration has begun
+    with pytest.raises(RuntimeError, match=r"reducer is armed with buckets \[\] in flight"):
+        armed.replace_fence(Fence())
+
+
+def test_a_one_parameter_model_searching_unused_parameters(one_rank: None) -> None:
+    reducer = _reducer(_params((2,)), options=ReducerOptions(find_unused_parameters=True))
+    reducer.prepare_for_forward()
+    reducer.prepare_for_backward([(reducer.params[0] * 2).sum()])
+    _grad(reducer, 0, 1.0)
+    assert reducer.mark_ready(0) is True
+    reducer.finalize()
+    assert float(reducer.params[0].grad[0]) == 1.0
 
 
 def test_a_gradient_outside_a_synchronized_backward_stays_local(one_rank: None) -> None:
@@ -623,8 +641,11 @@ def test_a_comm_hook_and_token_weighting_are_the_reductions(one_rank: None) -> N
         assert [float(p.grad[0]) for p in weighted.params] == [0.25, 0.5, 0.75]
 
 
-def test_a_joined_ranks_shadow_backward_counts_as_no_reduction(one_rank: None) -> None:
-    reducer = _reducer(options=ReducerOptions(find_unused_parameters=True))
+@pytest.mark.parametrize("find_unused", (True, False))
+def test_a_joined_ranks_shadow_backward_counts_as_no_reduction(one_rank: None, find_unused: bool) -> None:
+    """With the unused-parameter search, the usage map's all-reduce is shadowed too; without it there
+    is no map to shadow."""
+    reducer = _reducer(options=ReducerOptions(find_unused_parameters=find_unused))
     reducer.shadow_backward()
     assert reducer.reductions == 0 and reducer.state is ReducerState.IDLE
     assert all(p.grad is None for p in reducer.params)

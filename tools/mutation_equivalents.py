@@ -35,6 +35,11 @@ _REDUCER_CALLERS = (
     "which both signatures accept alike"
 )
 
+_SPARSE_ALONE = (
+    "a parameter with sparse gradients gets a bucket of its own (bucket_plan.py), so a bucket's first and last "
+    "member are one parameter, or both dense"
+)
+
 _STACKLEVEL = (
     "stacklevel only chooses which frame the warning is attributed to; levels 2, 3 and 4 are all inside "
     "overlapddp (sync_checks.py, then the reducer, then the wrapper or the reducer's gradient hook), the "
@@ -1322,5 +1327,26 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "self._shared.write_watch.watchers += 1 if not watching else -1",
         "the watcher count is read only as zero or not (bucket_pipeline.py); negating every step negates the "
         "count, which is zero exactly when it was",
+    ),
+    Equivalent(
+        "overlapddp/reducer.py",
+        'if self._sparse_gradient[members[0]]: => if self._sparse_gradient[members[ -1]]:',
+        _SPARSE_ALONE,
+    ),
+    Equivalent(
+        "overlapddp/reducer.py",
+        'storage = SparseBucketStorage(index, [self.params[members[0]]], self.names[members[0]]) => storage = SparseBucketStorage(index, [self.params[members[ -1]]], self.names[members[0]])',
+        _SPARSE_ALONE,
+    ),
+    Equivalent(
+        "overlapddp/reducer.py",
+        'storage = SparseBucketStorage(index, [self.params[members[0]]], self.names[members[0]]) => storage = SparseBucketStorage(index, [self.params[members[0]]], self.names[members[ -1]])',
+        _SPARSE_ALONE,
+    ),
+    Equivalent(
+        "overlapddp/reducer.py",
+        "iteration.unused_marked = True => iteration.unused_marked = False",
+        "at the end of a counting backward the flag is read by no one: every parameter is counted right there and "
+        "finalize replaces the iteration before another gradient can arrive",
     ),
 )
