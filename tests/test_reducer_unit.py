@@ -646,7 +646,17 @@ def test_a_joined_ranks_shadow_backward_counts_as_no_reduction(one_rank: None, f
     """With the unused-parameter search, the usage map's all-reduce is shadowed too; without it there
     is no map to shadow."""
     reducer = _reducer(options=ReducerOptions(find_unused_parameters=find_unused))
+    shadowed: list[tuple[int, float]] = []
+
+    def recording(state: Any, bucket: Any) -> torch.futures.Future:
+        shadowed.append((bucket.index(), float(bucket.buffer().abs().sum())))
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    reducer.set_comm_hook(None, recording)
     reducer.shadow_backward()
+    assert shadowed == [(0, 0.0), (1, 0.0), (2, 0.0)], "every bucket's collective, on zeros"
     assert reducer.reductions == 0 and reducer.state is ReducerState.IDLE
     assert all(p.grad is None for p in reducer.params)
 

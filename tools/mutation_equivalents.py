@@ -40,6 +40,11 @@ _SPARSE_ALONE = (
     "member are one parameter, or both dense"
 )
 
+_ONE_BUFFER_DEVICE = (
+    "every bucket's buffer is on the parameters' one device (construction refuses a module on several), so the "
+    "first bucket's device is the last one's"
+)
+
 _STACKLEVEL = (
     "stacklevel only chooses which frame the warning is attributed to; levels 2, 3 and 4 are all inside "
     "overlapddp (sync_checks.py, then the reducer, then the wrapper or the reducer's gradient hook), the "
@@ -1348,5 +1353,29 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "iteration.unused_marked = True => iteration.unused_marked = False",
         "at the end of a counting backward the flag is read by no one: every parameter is counted right there and "
         "finalize replaces the iteration before another gradient can arrive",
+    ),
+    Equivalent(
+        "overlapddp/reducer.py",
+        "return self._shared.reduction.enable_token_weighting(self.pipelines[0].storage.buffer.device) => "
+        "return self._shared.reduction.enable_token_weighting(self.pipelines[ -1].storage.buffer.device)",
+        _ONE_BUFFER_DEVICE,
+    ),
+    Equivalent(
+        "overlapddp/reducer.py",
+        "device = self.pipelines[0].storage.buffer.device => device = self.pipelines[ -1].storage.buffer.device",
+        _ONE_BUFFER_DEVICE,
+    ),
+    Equivalent(
+        "overlapddp/reducer.py",
+        "self._iteration.fires[index] += 1 => self._iteration.fires[index] += 2",
+        "every firing adds the same step in the learning backward and in the later ones, and the counts are "
+        "compared only with each other and with 0",
+    ),
+    Equivalent(
+        "overlapddp/reducer.py",
+        "if index >= 0:  # the delayed all-reduce (a negative key) renews its own buffer => "
+        "if index >= -1:  # the delayed all-reduce (a negative key) renews its own buffer",
+        "the keys in flight are bucket indices and the delayed all-reduce's FENCE_KEY, -2; -1 only marks the end "
+        "of backward in the fence's logs",
     ),
 )
