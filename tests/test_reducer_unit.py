@@ -167,6 +167,16 @@ def test_an_unfinished_iteration_names_what_is_missing_and_the_next_one_runs(one
     assert reducer.reductions == 1 and [float(p.grad[0]) for p in reducer.params] == [1.0, 2.0, 3.0]
 
 
+def test_a_bucket_partly_filled_when_its_iteration_is_dropped_starts_the_next_one_empty(one_rank: None) -> None:
+    reducer = _reducer(caps=BucketCaps.from_user(None, None))  # one bucket of the three
+    _backward(reducer, [1], finalize=False)
+    with pytest.raises(RuntimeError, match="finished reduction in the prior iteration"):
+        reducer.prepare_for_forward()
+    assert reducer.unfinished_buckets() == [], "the dropped gradient no longer counts"
+    assert _backward(reducer, [2, 1, 0]) == [False, False, True], "launched by its third gradient, not its second"
+    assert [float(p.grad[0]) for p in reducer.params] == [1.0, 2.0, 3.0]
+
+
 def test_an_abandoned_iteration_tells_the_sharded_optimizer_once(one_rank: None) -> None:
     reducer = _reducer()
     dropped: list[str] = []

@@ -1378,4 +1378,10 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "the keys in flight are bucket indices and the delayed all-reduce's FENCE_KEY, -2; -1 only marks the end "
         "of backward in the fence's logs",
     ),
+    Equivalent(
+        "overlapddp/reducer.py",
+        "for pipeline in self.pipelines: => for pipeline in []:",
+        "(the reset in _abandon; the other loops over the pipelines are killed) prepare_for_backward resets every "
+        "pipeline before a gradient of the next iteration counts, and an idle reducer reads no pipeline's count",
+    ),
 )
