@@ -287,10 +287,8 @@ def read_session(session: Path, module: str) -> list[Mutant]:
                 outcome = "skipped"
             elif result.worker_outcome != WorkerOutcome.NORMAL:
                 outcome = "incompetent"  # the mutation itself could not be applied or run
-            elif (module, change) in equivalent:
-                outcome = "equivalent"
-            elif result.test_outcome == TestOutcome.SURVIVED:
-                outcome = "survived"
+            elif result.test_outcome == TestOutcome.SURVIVED:  # a killed mutant is never called equivalent
+                outcome = "equivalent" if (module, change) in equivalent else "survived"
             elif result.output == "timeout":
                 outcome = "timeout"
             elif result.test_outcome == TestOutcome.KILLED:
