@@ -164,6 +164,29 @@ def test_ignored_names_leave_the_buffers_and_may_be_set_through_an_instance(one_
     assert [id(b) for b in model.modules_buffers] == [id(net[1].running_var), id(net[1].num_batches_tracked)]
 
 
+class _Where(nn.Module):
+    """Records the devices its inputs arrive on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+        self.seen: list[tuple[torch.device, torch.device]] = []
+
+    def forward(self, x: torch.Tensor, *, k: torch.Tensor) -> torch.Tensor:
+        self.seen.append((x.device, k.device))
+        return self.w * 2
+
+
+def test_inputs_move_to_the_one_device_in_device_ids(one_rank: None) -> None:
+    """As DDP with ``device_ids=[i]``: positional and keyword inputs go to that device (a GPU's; the
+    meta device stands in for it here)."""
+    model = OverlapDDP(_Where())
+    model(torch.ones(2), k=torch.ones(1))
+    model.device_ids, model.device_type = [0], "meta"
+    model(torch.ones(2), k=torch.ones(1))
+    assert model.module.seen == [(torch.device("cpu"),) * 2, (torch.device("meta"),) * 2]
+
+
 # -- flags between forwards ----------------------------------------------------------------------
 
 
@@ -454,6 +477,11 @@ def test_a_disabled_scaler_does_not_stop_sharding(one_rank: None) -> None:
     model = OverlapDDP(_mlp())
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     assert type(model.attach_optimizer(_sgd(model), shard=True, scaler=scaler)) is ShardedOptimizer
+
+
+def test_a_one_parameter_model_can_be_sharded(one_rank: None) -> None:
+    model = OverlapDDP(nn.Linear(3, 1, bias=False))
+    assert type(model.attach_optimizer(_sgd(model), shard=True)) is ShardedOptimizer
 
 
 # -- debugging and layout ------------------------------------------------------------------------

@@ -1384,4 +1384,29 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "(the reset in _abandon; the other loops over the pipelines are killed) prepare_for_backward resets every "
         "pipeline before a gradient of the next iteration counts, and an idle reducer reads no pipeline's count",
     ),
+    Equivalent(
+        "overlapddp/wrapper.py",
+        "target = torch.device(self.device_type, self.device_ids[0]) => "
+        "target = torch.device(self.device_type, self.device_ids[ -1])",
+        "construction refuses more than one device id, so the first is the last",
+    ),
+    Equivalent(
+        "overlapddp/wrapper.py",
+        "return self.require_forward_param_sync and self.forward_sync_buffers and len(self.modules_buffers) > 0 => "
+        "return self.require_forward_param_sync and self.forward_sync_buffers and len(self.modules_buffers) != 0",
+        "a length is never negative",
+    ),
+    Equivalent(
+        "overlapddp/wrapper.py",
+        "@staticmethod => ",
+        "(the autograd function's forward and backward; the ignore-list setter's removal is killed) torch calls "
+        "them through the class, where a plain function takes the same arguments",
+    ),
+    Equivalent(
+        "overlapddp/wrapper.py",
+        "def arm_backward(self, outputs: list[torch.Tensor], *, caller: str, rebuild: bool = False) -> None: => "
+        "def arm_backward(self, outputs: list[torch.Tensor], /, caller: str, rebuild: bool = False) -> None:",
+        "its callers (the Trainer strategy, Accelerate) pass the outputs by position and the rest by keyword, which "
+        "both signatures accept alike",
+    ),
 )
