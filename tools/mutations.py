@@ -343,6 +343,15 @@ MUTATIONS = (
         ("tests/test_wrapper.py::test_init_sync_broadcasts_frozen_parameters_as_ddp_does",),
     ),
     Mutation(
+        "ignored_alias_drops_tied_weight",
+        "a tied weight ignored under one of its names is dropped from the buckets (DDP reduces it under the other)",
+        "overlapddp/construction.py",
+        "if param.requires_grad and matched_as not in ignored and id(param) not in delayed:",
+        "if param.requires_grad and matched_as not in ignored and id(param) not in delayed and not any(\n"
+        "                    n in ignored for n, q in module.named_parameters(remove_duplicate=False) if q is param):",
+        ("tests/test_wrapper.py::test_the_reduced_parameters_are_ddps_in_its_order_whatever_names_are_ignored",),
+    ),
+    Mutation(
         "mixed_precision_casts_integer_inputs",
         "mixed precision casts integer and bool inputs to param_dtype too (embedding indices, masks)",
         "overlapddp/mixed_precision.py",
