@@ -335,7 +335,9 @@ def test_powersgd_must_start_once_the_tuned_buckets_are_final(one_rank: None) ->
         f"PowerSGD keeps per-bucket state from iteration start_powerSGD_iter={final - 1} on, but the buckets change "
         f"until iteration {final} (bucket_plan='tuned'); set start_powerSGD_iter >= {final} or use bucket_plan='ddp'."
     )
-    OverlapDDP(_mlp(), bucket_plan="tuned").register_comm_hook(PowerSGDState(None, start_powerSGD_iter=final), powerSGD_hook)
+    for start in (final, final + 5):
+        OverlapDDP(_mlp(), bucket_plan="tuned").register_comm_hook(PowerSGDState(None, start_powerSGD_iter=start),
+                                                                   powerSGD_hook)
     OverlapDDP(_mlp(), bucket_plan="tuned").register_comm_hook(None, default_hooks.allreduce_hook)
     OverlapDDP(_mlp()).register_comm_hook(early, powerSGD_hook)  # DDP's layout is final early enough
 

@@ -1409,4 +1409,10 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "its callers (the Trainer strategy, Accelerate) pass the outputs by position and the rest by keyword, which "
         "both signatures accept alike",
     ),
+    Equivalent(
+        "overlapddp/wrapper.py",
+        "backend=backend_for(self.process_group, self._reducer.params[0].device), => "
+        "backend=backend_for(self.process_group, self._reducer.params[ -1].device),",
+        _ONE_TRAINABLE_DEVICE,
+    ),
 )
