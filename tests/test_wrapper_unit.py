@@ -183,8 +183,10 @@ def test_inputs_move_to_the_one_device_in_device_ids(one_rank: None) -> None:
     model = OverlapDDP(_Where())
     model(torch.ones(2), k=torch.ones(1))
     model.device_ids, model.device_type = [0], "meta"
-    model(torch.ones(2), k=torch.ones(1))
+    with _NonBlockingCopies() as copies:
+        model(torch.ones(2), k=torch.ones(1))
     assert model.module.seen == [(torch.device("cpu"),) * 2, (torch.device("meta"),) * 2]
+    assert copies.seen == [True, True], "as DDP: the host does not wait for the copies"
 
 
 # -- flags between forwards ----------------------------------------------------------------------
@@ -266,6 +268,30 @@ def test_the_forward_not_the_backward_decides_whether_gradients_are_reduced(one_
         out = model(torch.ones(4, 3))
     with pytest.warns(UserWarning, match="its forward ran with require_backward_grad_sync=False"):
         out.sum().backward()
+
+
+def test_the_flag_assigned_between_forward_and_backward_reaches_the_reducer(one_rank: None) -> None:
+    """Assigning DDP's attribute is what no_sync() does: the reducer sees it, and a synchronized
+    forward's backward under it is reduced and warned about."""
+    model = OverlapDDP(_mlp())
+    out = model(torch.ones(4, 3))
+    model.require_backward_grad_sync = False
+    with pytest.warns(UserWarning, match="this backward's gradients ARE being reduced"):
+        out.sum().backward()
+
+
+class _NonBlockingCopies(torch.overrides.TorchFunctionMode):
+    """Records the ``non_blocking`` of every ``Tensor.to``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[object] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to:
+            self.seen.append(kwargs.get("non_blocking"))
+        return func(*args, **kwargs)
 
 
 # -- the static graph switch ---------------------------------------------------------------------
