@@ -507,6 +507,11 @@ def test_a_disabled_scaler_does_not_stop_sharding(one_rank: None) -> None:
     assert type(model.attach_optimizer(_sgd(model), shard=True, scaler=scaler)) is ShardedOptimizer
 
 
+def test_the_optimizer_may_be_given_by_keyword(one_rank: None) -> None:
+    model = OverlapDDP(_mlp())
+    assert type(model.attach_optimizer(optimizer=_sgd(model))) is OptimizerGuard
+
+
 def test_a_one_parameter_model_can_be_sharded(one_rank: None) -> None:
     model = OverlapDDP(nn.Linear(3, 1, bias=False))
     assert type(model.attach_optimizer(_sgd(model), shard=True)) is ShardedOptimizer
@@ -801,14 +806,16 @@ def test_the_fence_getter_reads_the_live_reducers_fence_and_a_fresh_one_after(on
     assert type(fresh) is Fence and fresh is not replacement and fresh is not gone()
 
 
-def test_the_hooks_do_not_keep_a_discarded_wrapper_reducing(one_rank: None) -> None:
+@pytest.mark.parametrize("delayed", (False, True))
+def test_the_hooks_do_not_keep_a_discarded_wrapper_reducing(one_rank: None, delayed: bool) -> None:
     net = _mlp()
-    model = OverlapDDP(net)
+    model = OverlapDDP(net, **(dict(delay_all_reduce_named_params=[("1.weight", net[1].weight)],
+                                    param_to_hook_all_reduce=net[0].weight) if delayed else {}))
     reducer = weakref.ref(model._reducer)
     del model
     gc.collect()
     assert reducer() is None
-    net(torch.ones(4, 3)).sum().backward()  # the hooks find no reducer and do nothing
+    net(torch.ones(4, 3)).sum().backward()  # the hooks (the delayed ones too) find no reducer and do nothing
     assert torch.equal(net[1].bias.grad, torch.full((1,), 4.0))
 
 
