@@ -46,6 +46,25 @@ def test_no_warning_without_a_reason(one_rank: None, kwargs: dict) -> None:
         OverlapDDP(nn.Linear(2, 2), **kwargs)
 
 
+def test_an_ignored_root_parameter_is_warned_at_the_users_line_and_only_it(one_rank: None) -> None:
+    """DDP matches a root parameter as '.bias', so listing 'bias' does not stop its reduction: said
+    once, at the user's line; a submodule's name, or a frozen root parameter, needs no warning."""
+    net = nn.Sequential(nn.Linear(2, 2))
+    net.register_parameter("scale", nn.Parameter(torch.ones(1)))
+    net.register_parameter("frozen", nn.Parameter(torch.ones(1), requires_grad=False))
+    OverlapDDP._set_params_and_buffers_to_ignore_for_model(net, ["scale", "frozen"])
+    with pytest.warns(UserWarning) as caught:
+        OverlapDDP(net)
+    assert [str(w.message).split(":")[0] for w in caught] == ["The parameters to ignore name scale, parameters of the "
+                                                               "wrapped module itself"]
+    assert [w.filename for w in caught] == [__file__]
+    nested = nn.Sequential(nn.Linear(2, 2))
+    OverlapDDP._set_params_and_buffers_to_ignore_for_model(nested, ["0.bias"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        OverlapDDP(nested)
+
+
 def test_a_module_on_two_gpus_is_refused_listing_three_names_per_device() -> None:
     named = _on("cuda:0", 3) + _on("cuda:1", 4, first=3)
     listed = "cuda:0: p0, p1, p2; cuda:1: p3, p4, p5, ..."
