@@ -144,7 +144,7 @@ def resolve(module: nn.Module, args: Arguments) -> Construction:
     ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
     ignored |= {name for name, _ in delayed}  # as in DDP: they leave the buckets and the init sync
     named: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in module.named_parameters() if n not in ignored]
-    trainable = _bucketed_parameters(module, ignored, {id(p) for _, p in delayed})
+    trainable, sparse = _bucketed_parameters(module, ignored, {id(p) for _, p in delayed})
     _warn_ignored_root_parameters(module, ignored, {n for n, _ in delayed})
     if delayed and not trainable:
         raise NotImplementedError(
@@ -156,7 +156,6 @@ def resolve(module: nn.Module, args: Arguments) -> Construction:
     device_ids, output_device = _resolve_devices(args.device_ids, args.output_device, named)
     forward_sync, init_sync_buffers = _resolve_buffer_sync(args.broadcast_buffers, args.forward_sync_buffers)
     caps = BucketCaps.from_user(args.bucket_cap_mb, args.bucket_cap_mb_list)
-    sparse = _expects_sparse_gradient(module, [p for _, p in trainable])
     sparse_names = [n for (n, _), s in zip(trainable, sparse, strict=True) if s]
     refuse_unsupported(group, trainable[0][1].device, sparse_names)
     _check_combinations(args, _Features(args, bool(delayed), sparse_names))
@@ -267,32 +266,24 @@ def _hook_parameter_name(module: nn.Module, hook_param: nn.Parameter | None) -> 
     )
 
 
-def _expects_sparse_gradient(module: nn.Module, params: list[torch.Tensor]) -> list[bool]:
-    """Per parameter, DDP's ``expect_sparse_gradient``: the first module that owns it is an
-    ``Embedding`` or ``EmbeddingBag`` built with ``sparse=True``."""
-    owner: dict[int, nn.Module] = {}
-    for sub in module.modules():
-        for param in sub.parameters(recurse=False):
-            owner.setdefault(id(param), sub)
-    return [
-        isinstance(owner.get(id(p)), (nn.Embedding, nn.EmbeddingBag)) and bool(owner[id(p)].sparse) for p in params
-    ]
-
-
 def _bucketed_parameters(
     module: nn.Module, ignored: set[str], delayed: set[int]
-) -> list[tuple[str, torch.Tensor]]:
-    """The parameters DDP reduces in buckets, in its order: each module's own parameters that require
-    grad, an alias admitted unless the name it is matched by is ignored, the first admission kept.
-    So a tied weight ignored under one name is still reduced under another, and a root parameter is
-    matched as ``".w"`` (DDP's spelling), so ``"w"`` in the ignore list does not stop it."""
-    admitted: dict[int, tuple[str, torch.Tensor]] = {}
+) -> tuple[list[tuple[str, torch.Tensor]], list[bool]]:
+    """The parameters DDP reduces in buckets, in its order, and DDP's ``expect_sparse_gradient`` for
+    each: each module's own parameters that require grad, an alias admitted unless the name it is
+    matched by is ignored, the first admission kept. So a tied weight ignored under one name is
+    reduced under another (sparse if that module is an ``Embedding`` or ``EmbeddingBag`` built with
+    ``sparse=True``), and a root parameter is matched as ``".w"`` (DDP's spelling), so ``"w"`` in
+    the ignore list does not stop it. Delayed parameters are left out by identity: DDP, matching
+    names only, would also bucket a delayed root or tied parameter it all-reduces apart."""
+    admitted: dict[int, tuple[str, torch.Tensor, bool]] = {}
     for module_name, owner in module.named_modules():
+        sparse = isinstance(owner, (nn.Embedding, nn.EmbeddingBag)) and bool(owner.sparse)
         for param_name, param in owner.named_parameters(recurse=False):
             matched_as = f"{module_name}.{param_name}"
             if param.requires_grad and matched_as not in ignored and id(param) not in delayed:
-                admitted.setdefault(id(param), (matched_as.removeprefix("."), param))
-    return list(admitted.values())
+                admitted.setdefault(id(param), (matched_as.removeprefix("."), param, sparse))
+    return [(name, param) for name, param, _ in admitted.values()], [s for _, _, s in admitted.values()]
 
 
 def _warn_ignored_root_parameters(module: nn.Module, ignored: set[str], delayed: set[str]) -> None:
@@ -305,12 +296,13 @@ def _warn_ignored_root_parameters(module: nn.Module, ignored: set[str], delayed:
             "ignored names as '<submodule>.<parameter>', so it still reduces them (it would skip "
             f"{', '.join(repr('.' + n) for n in listed)}); OverlapDDP reduces them too, to give DDP's numbers.",
             UserWarning,
-            stacklevel=_USER_FRAME + 1,  # one frame below build()
+            stacklevel=_USER_FRAME + 1,  # called from resolve()
         )
 
 
 def _check_parameters(named: list[tuple[str, torch.Tensor]], trainable: list[tuple[str, torch.Tensor]]) -> None:
-    lazy = [n for n, p in named if isinstance(p, nn.parameter.UninitializedParameter)]
+    # A root parameter ignored by its plain name is still reduced (see _bucketed_parameters): check both lists.
+    lazy = list(dict.fromkeys(n for n, p in [*named, *trainable] if isinstance(p, nn.parameter.UninitializedParameter)))
     if lazy:
         raise RuntimeError(
             f"Modules with uninitialized parameters can't be used with OverlapDDP ({', '.join(lazy)}). "

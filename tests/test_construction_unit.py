@@ -65,6 +65,14 @@ def test_an_ignored_root_parameter_is_warned_at_the_users_line_and_only_it(one_r
         OverlapDDP(nested)
 
 
+def test_a_lazy_root_parameter_ignored_by_its_plain_name_is_refused_as_uninitialized(one_rank: None) -> None:
+    net = nn.Sequential(nn.Linear(2, 2))
+    net.register_parameter("w", nn.parameter.UninitializedParameter())
+    OverlapDDP._set_params_and_buffers_to_ignore_for_model(net, ["w"])  # still reduced: matched as '.w'
+    with pytest.raises(RuntimeError, match=r"uninitialized parameters can't be used with OverlapDDP \(w\)"):
+        OverlapDDP(net)
+
+
 def test_a_module_on_two_gpus_is_refused_listing_three_names_per_device() -> None:
     named = _on("cuda:0", 3) + _on("cuda:1", 4, first=3)
     listed = "cuda:0: p0, p1, p2; cuda:1: p3, p4, p5, ..."

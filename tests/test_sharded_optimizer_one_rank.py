@@ -313,6 +313,7 @@ def test_a_tied_weight_is_refused_only_when_no_name_of_it_is_reduced(
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match=rf"wrapper ignores \({refused}\)") if refused else nullcontext():
         model.attach_optimizer(opt, shard=True)
+    assert any(p is net.embed.weight for p in model._reducer.params) is (refused is None)
 
 
 def _pair(model: str, make: MakeOptimizer, cap: float | None = TINY) -> tuple[Any, Any, Any, Any, ShardedOptimizer]:

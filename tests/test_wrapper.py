@@ -309,15 +309,23 @@ def test_a_parameter_ignored_by_one_of_its_names_is_reduced_as_ddp_reduces_it():
 
 def test_the_reduced_parameters_are_ddps_in_its_order_whatever_names_are_ignored(one_rank):
     class Aliased(nn.Module):
+        """A root parameter, a weight tied between a Linear and a sparse Embedding (each with a flag of
+        its own), a frozen weight tied to a trainable one's module, a module under two names."""
+
         def __init__(self) -> None:
             super().__init__()
             self.w = nn.Parameter(torch.ones(2))
             self.a, self.b, self.shared = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
             self.b.weight = self.a.weight
-            self.c = self.shared  # one module under two names
+            self.c = self.shared
+            self.head = nn.Linear(4, 10, bias=False)
+            self.emb = nn.Embedding(10, 4, sparse=True)
+            self.emb.weight = self.head.weight
+            self.frozen = nn.Linear(2, 2)
+            self.frozen.weight.requires_grad_(False)
 
     for ignore in (["a.weight"], ["b.weight"], ["a.weight", "b.weight"], ["w"], [".w"], ["shared.weight"],
-                   ["c.weight"], ["a.bias"]):
+                   ["c.weight"], ["a.bias"], ["head.weight"], ["emb.weight"], ["frozen.weight"]):
         reduced = []
         for wrapper in (DistributedDataParallel, OverlapDDP):
             torch.manual_seed(0)
@@ -326,10 +334,19 @@ def test_the_reduced_parameters_are_ddps_in_its_order_whatever_names_are_ignored
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the root parameter's warning, tested above
                 wrapped = wrapper(net)
-            params = wrapped._build_params_for_reducer()[0] if wrapper is DistributedDataParallel else wrapped._reducer.params
-            names = {id(p): n for n, p in net.named_parameters()}  # a tied one by its first name
-            reduced.append([names[id(p)] for p in params])
+            if wrapper is DistributedDataParallel:
+                params, sparse = wrapped._build_params_for_reducer()
+            else:
+                params, sparse = wrapped._reducer.params, wrapped._reducer.sparse_gradient
+                names = dict(zip(map(id, params), wrapped._reducer.names, strict=True))
+            first = {id(p): n for n, p in net.named_parameters()}  # each parameter by its first name
+            reduced.append(([first[id(p)] for p in params], [bool(s) for s in sparse]))
         assert reduced[0] == reduced[1], ignore
+        # Ours is named by the alias it was admitted under, which messages show.
+        tied = {"a.weight": ("a.weight", "b.weight"), "head.weight": ("head.weight", "emb.weight")}
+        for first_name, (name, other) in tied.items():
+            if first_name in reduced[1][0]:
+                assert names[id(net.get_parameter(first_name))] == (other if first_name in ignore else name), ignore
 
 
 def _late_static_graph(rank: int, world_size: int, switch_ours: bool, find_unused: bool = False) -> list[bool] | str:
