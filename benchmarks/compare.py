@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -575,6 +575,7 @@ def run_rank(
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=STORE_TIMEOUT)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=args.world_size)
+    group = dist.group.WORLD  # held to the end: see below
     try:
         ctx = RankContext(args, rank, rank_device(args, rank))
         results = run_benchmark(ctx)
@@ -582,6 +583,19 @@ def run_rank(
             report_results(args, results)
     finally:
         dist.destroy_process_group()
+    exit_holding(group)
+
+
+def exit_holding(group: object) -> NoReturn:
+    """End a rank whose results are delivered, with no destructor run and ``group`` still referenced.
+
+    A gloo worker thread can still hold a finished collective's tensors, or a callback that holds
+    the group; freed during interpreter finalization (or the group on its own thread) they abort the
+    process after it finished ("terminate called without an active exception", seen in CI).
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def report(args: argparse.Namespace, results: dict[str, object]) -> None:
