@@ -172,7 +172,6 @@ def test_a_bucket_partly_filled_when_its_iteration_is_dropped_starts_the_next_on
     _backward(reducer, [1], finalize=False)
     with pytest.raises(RuntimeError, match="finished reduction in the prior iteration"):
         reducer.prepare_for_forward()
-    assert reducer.unfinished_buckets() == [], "the dropped gradient no longer counts"
     assert _backward(reducer, [2, 1, 0]) == [False, False, True], "launched by its third gradient, not its second"
     assert [float(p.grad[0]) for p in reducer.params] == [1.0, 2.0, 3.0]
 
@@ -556,6 +555,13 @@ def _many(count: int, caps: BucketCaps, options: ReducerOptions = ReducerOptions
     counts compared by identity instead of value would differ."""
     params = _params((1,) * count)
     return Reducer(params, [f"p{i}" for i in range(count)], dist.group.WORLD, Fence(), caps, [False] * count, options)
+
+
+def test_the_reducer_takes_its_arguments_by_keyword(one_rank: None) -> None:
+    params = _params()
+    reducer = Reducer(params=params, names=NAMES, process_group=dist.group.WORLD, fence=Fence(), caps=ONE_BYTE,
+                      sparse_gradient=[False] * 3, options=ReducerOptions(find_unused_parameters=True))
+    assert reducer.options.find_unused_parameters and reducer.plan.buckets == ((2,), (1,), (0,))
 
 
 def test_more_buckets_than_small_integers_all_launch(one_rank: None) -> None:

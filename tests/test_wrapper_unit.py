@@ -512,6 +512,16 @@ def test_the_optimizer_may_be_given_by_keyword(one_rank: None) -> None:
     assert type(model.attach_optimizer(optimizer=_sgd(model))) is OptimizerGuard
 
 
+def test_a_framework_may_arm_the_backward_by_keyword(one_rank: None) -> None:
+    """As Accelerate's ``trigger_sync_in_backward`` does, with every argument named."""
+    model = OverlapDDP(_mlp())
+    with model.no_sync():
+        out = model(torch.ones(4, 3))
+    model.arm_backward(outputs=[out], caller="a framework")
+    out.sum().backward()
+    assert model._reducer.reductions == 1
+
+
 def test_a_one_parameter_model_can_be_sharded(one_rank: None) -> None:
     model = OverlapDDP(nn.Linear(3, 1, bias=False))
     assert type(model.attach_optimizer(_sgd(model), shard=True)) is ShardedOptimizer

@@ -30,11 +30,6 @@ _NEXT_LAUNCH = (
 )
 _BUCKET_INDEX = "a bucket's index is below the number of buckets, so '>= count - 1' is '== count - 1'"
 _MISSING = "a bucket's missing count starts at its member count and only falls, so '<' is '!='"
-_REDUCER_CALLERS = (
-    "Reducer's callers (the recipe, the tests) pass its first arguments by position and the rest by keyword, "
-    "which both signatures accept alike"
-)
-
 _SPARSE_ALONE = (
     "a parameter with sparse gradients gets a bucket of its own (bucket_plan.py), so a bucket's first and last "
     "member are one parameter, or both dense"
@@ -1323,11 +1318,6 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
     ),
     Equivalent(
         "overlapddp/reducer.py",
-        '*, => /,',
-        _REDUCER_CALLERS,
-    ),
-    Equivalent(
-        "overlapddp/reducer.py",
         "self._shared.write_watch.watchers += 1 if watching else -1 => "
         "self._shared.write_watch.watchers += 1 if not watching else -1",
         "the watcher count is read only as zero or not (bucket_pipeline.py); negating every step negates the "
@@ -1401,13 +1391,6 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "@staticmethod => ",
         "(the autograd function's forward and backward; the ignore-list setter's removal is killed) torch calls "
         "them through the class, where a plain function takes the same arguments",
-    ),
-    Equivalent(
-        "overlapddp/wrapper.py",
-        "def arm_backward(self, outputs: list[torch.Tensor], *, caller: str, rebuild: bool = False) -> None: => "
-        "def arm_backward(self, outputs: list[torch.Tensor], /, caller: str, rebuild: bool = False) -> None:",
-        "its callers (the Trainer strategy, Accelerate) pass the outputs by position and the rest by keyword, which "
-        "both signatures accept alike",
     ),
     Equivalent(
         "overlapddp/wrapper.py",
