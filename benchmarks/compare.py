@@ -592,6 +592,8 @@ def exit_holding(group: object) -> NoReturn:
     A gloo worker thread can still hold a finished collective's tensors, or a callback that holds
     the group; freed during interpreter finalization (or the group on its own thread) they abort the
     process after it finished ("terminate called without an active exception", seen in CI).
+    ``os._exit`` runs no destructor and no finalization; ``group`` is taken only so that the caller's
+    reference lasts until then. An error before this point propagates as usual.
     """
     sys.stdout.flush()
     sys.stderr.flush()
