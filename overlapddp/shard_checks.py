@@ -32,8 +32,7 @@ class ShardRequest:
 
     params: Sequence[torch.Tensor]  # the reduced parameters (the reducer's), in order
     names: Sequence[str]  # their names
-    module_params: dict[int, str]  # id -> name of every parameter of the wrapped module
-    ignored: frozenset[str]  # parameters the wrapper leaves alone (not reduced)
+    module_params: dict[int, str]  # id -> name (a tied one's first) of every parameter of the wrapped module
     options: dict[str, bool]  # the wrapper's switches that sharding cannot combine with, by name
     comm_hook: str | None  # the registered communication hook's name
     backend: str  # the process group's backend for the parameters' device
@@ -98,8 +97,8 @@ def _check_parameters(optimizer: torch.optim.Optimizer, request: ShardRequest) -
                      if i not in request.module_params)
     if foreign:
         raise ValueError(f"The optimizer holds parameters that are not the model's ({'; '.join(foreign[:4])}).")
-    ignored = sorted(request.module_params[i] for i, (_, p) in held.items()
-                     if request.module_params[i] in request.ignored and p.requires_grad)
+    reduced = {id(p) for p in request.params}
+    ignored = sorted(request.module_params[i] for i, (_, p) in held.items() if i not in reduced and p.requires_grad)
     if ignored:
         raise ValueError(
             f"The optimizer holds parameters the wrapper ignores ({', '.join(ignored[:4])}); their gradients are "

@@ -422,13 +422,10 @@ class OverlapDDP(nn.Module, Joinable):
     def _attach_sharded(self, optimizer: torch.optim.Optimizer, **switches: Any) -> ShardedOptimizer:
         """Check everything that decides whether sharding works (no collective), then shard."""
         options, registered = self._reducer.options, self._reducer.comm_hook
-        module_params = {id(p): n for n, p in self.module.named_parameters()}  # a tied one by its first name
-        reduced = {id(p) for p in self._reducer.params}
         request = ShardRequest(
             params=self._reducer.params,
             names=self._reducer.names,
-            module_params=module_params,
-            ignored=frozenset(n for i, n in module_params.items() if i not in reduced),
+            module_params={id(p): n for n, p in self.module.named_parameters()},
             options={
                 "overlap": switches["overlap"],
                 "scaler": switches["scaler"] is not None and switches["scaler"].is_enabled(),

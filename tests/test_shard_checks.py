@@ -13,7 +13,7 @@ from overlapddp.shard_checks import ShardRequest, check_shardable
 def _request(params: list[torch.Tensor], **changes: object) -> ShardRequest:
     names = [f"p{i}" for i in range(len(params))]
     fields: dict[str, object] = dict(params=params, names=names, module_params={id(p): n for p, n in zip(params, names, strict=True)},
-                                     ignored=frozenset(), options={}, comm_hook=None, backend="gloo")
+                                     options={}, comm_hook=None, backend="gloo")
     return ShardRequest(**{**fields, **changes})  # type: ignore[arg-type]
 
 
@@ -42,8 +42,7 @@ def test_foreign_parameters_are_listed_four_at_most():
 
 def test_ignored_parameters_are_listed_four_at_most():
     params = _params(6)
-    request = _request(params[:1], module_params={id(p): f"p{i}" for i, p in enumerate(params)},
-                       ignored=frozenset(f"p{i}" for i in range(1, 6)))
+    request = _request(params[:1], module_params={id(p): f"p{i}" for i, p in enumerate(params)})  # p1-p5 not reduced
     with pytest.raises(ValueError, match=r"wrapper ignores \(p1, p2, p3, p4\);"):
         check_shardable(torch.optim.SGD(params, lr=0.1), request)
 
