@@ -309,8 +309,8 @@ def test_a_parameter_ignored_by_one_of_its_names_is_reduced_as_ddp_reduces_it():
 
 def test_the_reduced_parameters_are_ddps_in_its_order_whatever_names_are_ignored(one_rank):
     class Aliased(nn.Module):
-        """A root parameter, a weight tied between a Linear and a sparse Embedding (each with a flag of
-        its own), a frozen weight tied to a trainable one's module, a module under two names."""
+        """A root parameter, a weight tied between two Linears and one between a Linear and a sparse
+        Embedding (each module with a sparse flag of its own), a frozen weight, a module under two names."""
 
         def __init__(self) -> None:
             super().__init__()

@@ -177,6 +177,20 @@ class _Where(nn.Module):
         return self.w * 2
 
 
+class _NonBlockingCopies(torch.overrides.TorchFunctionMode):
+    """Records the ``non_blocking`` of every ``Tensor.to``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[object] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to:
+            self.seen.append(kwargs.get("non_blocking"))
+        return func(*args, **kwargs)
+
+
 def test_inputs_move_to_the_one_device_in_device_ids(one_rank: None) -> None:
     """As DDP with ``device_ids=[i]``: positional and keyword inputs go to that device (a GPU's; the
     meta device stands in for it here)."""
@@ -278,20 +292,6 @@ def test_the_flag_assigned_between_forward_and_backward_reaches_the_reducer(one_
     model.require_backward_grad_sync = False
     with pytest.warns(UserWarning, match="this backward's gradients ARE being reduced"):
         out.sum().backward()
-
-
-class _NonBlockingCopies(torch.overrides.TorchFunctionMode):
-    """Records the ``non_blocking`` of every ``Tensor.to``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[object] = []
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is torch.Tensor.to:
-            self.seen.append(kwargs.get("non_blocking"))
-        return func(*args, **kwargs)
 
 
 # -- the static graph switch ---------------------------------------------------------------------
