@@ -425,6 +425,6 @@ def test_backends_other_than_gloo_and_nccl_are_refused_by_name():
     from overlapddp.shard_checks import ShardRequest, check_shardable
 
     param = torch.nn.Parameter(torch.zeros(3))
-    request = ShardRequest([param], ["w"], {id(param): "w"}, frozenset(), {}, None, backend="mpi")
+    request = ShardRequest([param], ["w"], {id(param): "w"}, {}, None, backend="mpi")
     with pytest.raises(ValueError, match="shard=True supports the gloo and nccl backends, not mpi"):
         check_shardable(torch.optim.SGD([param], lr=0.1), request)
