@@ -414,11 +414,6 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "params and names are the reducer's two lists of one length (wrapper._attach_sharded): strict never fires",
     ),
     Equivalent(
-        'overlapddp/shard_checks.py',
-        'odd = [name for p, name in zip(request.params, request.names, strict=True) if not is_dense_permutation(p)] => odd = [name for p, name in zip(request.params, request.names, strict=False) if not is_dense_permutation(p)]',
-        "params and names are one request's, built together: equal lengths, so strict never fires",
-    ),
-    Equivalent(
         "overlapddp/timeline.py",
         "start = min((e.time for e in log.edges), default=0.0) => start = min((e.time for e in log.edges), default= 1.0)",
         "the default is the start of an empty log, which has no events to place",
@@ -1397,5 +1392,12 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "backend=backend_for(self.process_group, self._reducer.params[0].device), => "
         "backend=backend_for(self.process_group, self._reducer.params[ -1].device),",
         _ONE_TRAINABLE_DEVICE,
+    ),
+    Equivalent(
+        "overlapddp/shard_checks.py",
+        "odd = [name for p, name in zip(request.params, request.names, strict=True) => "
+        "odd = [name for p, name in zip(request.params, request.names, strict=False)",
+        "params and names are one request's, built together: equal lengths, so strict never "
+        "fires",
     ),
 )
