@@ -87,7 +87,7 @@ from benchmarks.compare import (  # noqa: E402
     write_json,
 )
 from overlapddp import OverlapDDP  # noqa: E402
-from overlapddp.tuning.tuner import TUNING_ITERATIONS  # noqa: E402
+from overlapddp.layout.tuner import TUNING_ITERATIONS  # noqa: E402
 
 REFERENCE = "ddp-25"
 LOCAL = "local"

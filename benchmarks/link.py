@@ -21,7 +21,7 @@ Example::
     >>> overlap_ddp.register_comm_hook(LinkState(gbps=1.0), link_allreduce_hook)  # its own link
 
 Note: OverlapDDP runs a hook that is not one of torch's single-collective stock hooks one bucket
-at a time (bucket b's hook is called once bucket b-1's future is done; see ``overlapddp/comm_hook.py``,
+at a time (bucket b's hook is called once bucket b-1's future is done; see ``overlapddp/bucket/comm_hook.py``,
 [Note: one hook chain at a time]), and stock DDP does not. With this hook that wait is where the
 link delay shows up in OverlapDDP's backward.
 """
@@ -103,5 +103,5 @@ def link_allreduce_hook(state: LinkState, bucket: dist.GradBucket) -> torch.futu
 
 
 # One all-reduce, issued by the call itself: OverlapDDP need not wait for the previous bucket's
-# hook before starting this one (see overlapddp.comm_hook.is_unchained); stock DDP ignores this.
+# hook before starting this one (see overlapddp.bucket.comm_hook.is_unchained); stock DDP ignores this.
 link_allreduce_hook.issues_one_collective = True

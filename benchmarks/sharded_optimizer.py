@@ -93,7 +93,7 @@ from benchmarks.compare import (  # noqa: E402
     write_json,
 )
 from overlapddp import OverlapDDP  # noqa: E402
-from overlapddp.sharded_optimizer import ShardedOptimizer  # noqa: E402
+from overlapddp.shard.optimizer import ShardedOptimizer  # noqa: E402
 
 REFERENCE = "ddp"
 LABELS = ("ddp", "zero", "ours")

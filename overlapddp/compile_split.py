@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 import torch
 from torch import fx
 
-from overlapddp.bucket_plan import DEFAULT_FIRST_BUCKET_BYTES
 from overlapddp.frames import PACKAGE, TORCH, stacklevel_outside
+from overlapddp.layout.plan import DEFAULT_FIRST_BUCKET_BYTES
 
 if TYPE_CHECKING:
     from overlapddp.reducer import Reducer

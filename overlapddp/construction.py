@@ -19,15 +19,15 @@ import torch.distributed as dist
 from torch import nn
 
 from overlapddp.backend_support import refuse_unsupported
-from overlapddp.bucket_plan import BucketCaps
 from overlapddp.delayed_reduction import check_delayed_parameters
+from overlapddp.layout.plan import BucketCaps
 from overlapddp.mixed_precision import MixedPrecision
 from overlapddp.module_sync import broadcast_coalesced, broadcast_state, verify_same_parameters
 from overlapddp.options import ReducerOptions
 from overlapddp.pickling import ReducerRecipe
 
 # "ddp": DDP's exact layout (bit-equal at every world size); "tuned": the fastest of a modelled plan
-# (tuning/cost_model.py) and DDP's fixed layouts, by measurement (tuning/selection.py).
+# (layout/cost_model.py) and DDP's fixed layouts, by measurement (layout/selection.py).
 BUCKET_PLANS = ("ddp", "tuned")
 # Warnings are issued from here, two frames below the user's OverlapDDP(...) call.
 _USER_FRAME = 3

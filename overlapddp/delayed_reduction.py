@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from overlapddp.bucket_storage import BucketStorage
+from overlapddp.bucket.storage import BucketStorage
 from overlapddp.fence import Fence
 
 # The fence key of the delayed all-reduce: buckets are 0, 1, ...; -1 marks backward's end in logs.

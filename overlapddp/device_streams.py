@@ -14,7 +14,7 @@ from typing import Any, ContextManager, Iterator
 import torch
 from torch.futures import Future
 
-# The waits of the CUDA path, named by what each one orders (see fence.py and token_weighting.py).
+# The waits of the CUDA path, named by what each one orders (see fence.py and bucket/token_weighting.py).
 WAITS = (
     "gradient",  # the stream that fills a bucket waits for the other streams that accumulated its gradients
     "produced",  # the communication stream (and the non-finite check) waits for the bucket's copy-in

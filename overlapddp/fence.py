@@ -27,8 +27,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.futures import Future
 
+from overlapddp.clock import HostClock, Stamp
 from overlapddp.device_streams import CudaKit
-from overlapddp.tuning.clock import HostClock, Stamp
 
 EDGE_ORDER = ("produced", "launched", "completed", "consumed")
 BACKWARD_END = "backward end"  # not a bucket edge: when the end-of-backward callback started

@@ -18,7 +18,7 @@ class ReducerOptions:
     gradient_as_bucket_view: bool = False  # param.grad is a view into its bucket, no copy-out
     batched_grad_copy: bool = False  # copy unscaled, then divide each bucket (true division)
     skip_all_reduce_unused_params: bool = False  # never reduce buckets holding only unused params
-    tuned_plan: bool = False  # after DDP's rebuild, measure, model and select buckets (tuning/tuner.py)
+    tuned_plan: bool = False  # after DDP's rebuild, measure, model and select buckets (layout/tuner.py)
 
     @property
     def searches_unused_each_forward(self) -> bool:

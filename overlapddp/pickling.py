@@ -19,10 +19,10 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from overlapddp.bucket_plan import BucketCaps
 from overlapddp.delayed_reduction import DelayedReduction
 from overlapddp.fence import fence_for
 from overlapddp.frames import PACKAGE, STDLIB, TORCH, stacklevel_outside
+from overlapddp.layout.plan import BucketCaps
 from overlapddp.options import ReducerOptions
 from overlapddp.progress import ProgressRecord
 from overlapddp.reducer import Reducer

@@ -1,7 +1,7 @@
 """When does each thing happen? The reducer's state machine, driven by ``mark_ready(i)`` and ``finalize()``.
 
 It counts gradients and decides when a bucket launches and when the iteration ends; how a bucket is
-filled, launched, completed and written back is its pipeline's (bucket_pipeline.py). It knows
+filled, launched, completed and written back is its pipeline's (bucket/pipeline.py). It knows
 tensors, buckets and collectives, never ``nn.Module`` or autograd hooks, so it can be driven by
 hand in tests. The wrapper calls, per iteration:
 
@@ -21,25 +21,25 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 import torch
 import torch.distributed as dist
 
-from overlapddp.bucket_pipeline import BucketPipeline, SharedStages
-from overlapddp.bucket_plan import BucketCaps, BucketPlan
-from overlapddp.bucket_reduction import BucketReduction
-from overlapddp.bucket_storage import BucketStorage
-from overlapddp.comm_hook import Bucket, CommHook
+from overlapddp.bucket.comm_hook import Bucket, CommHook
+from overlapddp.bucket.gradient_checks import GradientWriteWatch
+from overlapddp.bucket.pipeline import BucketPipeline, SharedStages
+from overlapddp.bucket.reduction import BucketReduction
+from overlapddp.bucket.sparse_storage import SparseBucketStorage
+from overlapddp.bucket.storage import BucketStorage
+from overlapddp.bucket.token_weighting import TokenCount
 from overlapddp.delayed_reduction import DelayedReduction
 from overlapddp.fence import Fence
-from overlapddp.gradient_checks import GradientWriteWatch
-from overlapddp.layout_lifecycle import LayoutLifecycle
+from overlapddp.layout.lifecycle import LayoutLifecycle
+from overlapddp.layout.plan import BucketCaps, BucketPlan
 from overlapddp.options import ReducerOptions
 from overlapddp.param_usage import UsageMap, grad_accumulators, unreachable
 from overlapddp.progress import ProgressRecord
-from overlapddp.sparse_reduction import SparseBucketStorage
 from overlapddp.sync_checks import SyncFlagCheck
-from overlapddp.token_weighting import TokenCount
 from overlapddp.torch_compat import in_backward
 
 if TYPE_CHECKING:
-    from overlapddp.tuning.tuner import PlanTuner
+    from overlapddp.layout.tuner import PlanTuner
 
 
 class ReducerState(enum.Enum):
@@ -138,7 +138,7 @@ class Reducer:
         self.after_all_reduced: Callable[[], None] | None = None  # once, when every bucket is written
         # delay_all_reduce_named_params: launched by launch_delayed, completed in finalize.
         self.delayed = delayed
-        # A sharded optimizer (sharded_optimizer.py) pads every bucket's buffer to a multiple of this
+        # A sharded optimizer (shard/optimizer.py) pads every bucket's buffer to a multiple of this
         # (the world size; see set_sharded).
         self._pad_to = 1
         self._shard_abandoned: Callable[[], None] | None = None
@@ -169,15 +169,15 @@ class Reducer:
 
     @property
     def checks_nonfinite(self) -> bool:
-        """Whether each bucket's gradients are checked for NaN and Inf before launch (see gradient_checks.py)."""
+        """Whether each bucket's gradients are checked for NaN and Inf before launch (see bucket/gradient_checks.py)."""
         return self._shared.check_nonfinite
 
     def set_nonfinite_check(self, enabled: bool) -> None:
-        """Turn the non-finite gradient check on or off (see gradient_checks.py)."""
+        """Turn the non-finite gradient check on or off (see bucket/gradient_checks.py)."""
         self._shared.check_nonfinite = enabled
 
     def watch_gradient_writes(self, watching: bool = True) -> None:
-        """An optimizer guard attaches (or, ``watching=False``, detaches): see gradient_checks.py."""
+        """An optimizer guard attaches (or, ``watching=False``, detaches): see bucket/gradient_checks.py."""
         self._shared.write_watch.watchers += 1 if watching else -1
 
     def set_reduction_callbacks(
@@ -223,7 +223,7 @@ class Reducer:
 
     def _new_pipeline(self, index: int, members: Sequence[int]) -> BucketPipeline:
         """A bucket's pipeline over a flat buffer, or for a parameter that expects a sparse gradient its
-        own gradient (sparse_reduction.py)."""
+        own gradient (bucket/sparse_storage.py)."""
         storage: BucketStorage | SparseBucketStorage
         if self._sparse_gradient[members[0]]:
             storage = SparseBucketStorage(index, [self.params[members[0]]], self.names[members[0]])
@@ -311,7 +311,7 @@ class Reducer:
         self._adopt_plan(self._layouts.restore(order, tuned))
 
     def enable_token_weighting(self) -> TokenCount:
-        """Divide by the global token count instead of the world size (see token_weighting.py)."""
+        """Divide by the global token count instead of the world size (see bucket/token_weighting.py)."""
         return self._shared.reduction.enable_token_weighting(self.pipelines[0].storage.buffer.device)
 
     def set_comm_hook(self, state: Any, hook: CommHook) -> None:

@@ -31,7 +31,7 @@ from torch.futures import Future
 
 from overlapddp.fence import CudaFence, Fence, FenceLog
 from overlapddp.module_sync import broadcast_coalesced
-from overlapddp.sharded_optimizer import ShardedOptimizer
+from overlapddp.shard.optimizer import ShardedOptimizer
 from overlapddp.torch_compat import cuda_sleep
 from overlapddp.wrapper import OverlapDDP
 

@@ -21,8 +21,8 @@ from torch.distributed.algorithms.join import Join, Joinable
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
 from overlapddp.backend_support import backend_for
-from overlapddp.comm_hook import CommHook
-from overlapddp.comm_hook_validation import builtin_hook, check_comm_hook
+from overlapddp.bucket.comm_hook import CommHook
+from overlapddp.bucket.comm_hook_validation import builtin_hook, check_comm_hook
 from overlapddp.compile_split import GraphSplitter, in_compiled_autograd
 from overlapddp.construction import Arguments, Construction, resolve, synchronize
 from overlapddp.delayed_reduction import DelayedReduction
@@ -30,13 +30,13 @@ from overlapddp.fence import Fence, FenceLog
 from overlapddp.join import OverlapJoinHook, announce_backward_sync, common_rank
 from overlapddp.mixed_precision import MixedPrecision, ParameterCasts, ReduceInPrecision, reduce_in_precision_hook
 from overlapddp.module_sync import broadcast_buffers, broadcast_state
-from overlapddp.optimizer_guard import OptimizerGuard
-from overlapddp.optimizer_overlap import OverlappedOptimizer
+from overlapddp.optim.guard import OptimizerGuard
+from overlapddp.optim.overlap import OverlappedOptimizer
 from overlapddp.param_usage import map_tensors, tensors_in
 from overlapddp.pickling import ReducerRecipe, bind_to_default_group, pickled_state, recipe_of
 from overlapddp.reducer import Reducer
-from overlapddp.shard_checks import ShardRequest, check_shardable
-from overlapddp.sharded_optimizer import ShardedOptimizer
+from overlapddp.shard.checks import ShardRequest, check_shardable
+from overlapddp.shard.optimizer import ShardedOptimizer
 from overlapddp.sync_checks import SyncFlagCheck
 from overlapddp.torch_compat import let_dcp_unwrap, queue_callback, to_kwargs
 

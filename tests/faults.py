@@ -9,7 +9,12 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-from overlapddp import bucket_pipeline, bucket_reduction, bucket_storage, comm_hook, layout_lifecycle, reducer, wrapper
+from overlapddp import reducer, wrapper
+from overlapddp.bucket import comm_hook
+from overlapddp.bucket import pipeline as bucket_pipeline
+from overlapddp.bucket import reduction as bucket_reduction
+from overlapddp.bucket import storage as bucket_storage
+from overlapddp.layout import lifecycle as layout_lifecycle
 
 
 def _skip_scaling() -> tuple[object, str, object]:

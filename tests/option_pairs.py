@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _MixedPrecision
 
 from overlapddp import OverlapDDP
-from overlapddp.tuning import tuner
+from overlapddp.layout import tuner
 from tests import hooks
 from tests.parity import first_difference, first_grad_difference
 from tests.precision_reference import HandWrittenCasts

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from overlapddp.bucket_plan import BucketPlan
+from overlapddp.layout.plan import BucketPlan
 
 
 def all_partitions(order: list[int]) -> list[BucketPlan]:

@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlapddp import backend_support, gradient_checks
-from overlapddp.gradient_checks import GradientWriteWatch, nonfinite_error
+from overlapddp import backend_support
+from overlapddp.bucket import gradient_checks
+from overlapddp.bucket.gradient_checks import GradientWriteWatch, nonfinite_error
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 

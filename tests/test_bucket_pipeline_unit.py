@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.futures import Future
 
-from overlapddp import bucket_pipeline
-from overlapddp.bucket_pipeline import BucketPipeline, SharedStages, hook_result
+from overlapddp.bucket import pipeline as bucket_pipeline
+from overlapddp.bucket.pipeline import BucketPipeline, SharedStages, hook_result
 from overlapddp.fence import Fence
 
 EXPECTED = torch.zeros(6)

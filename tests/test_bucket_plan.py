@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlapddp.bucket_plan import MIB, BucketCaps, assign_by_size, explicit_plan, initial_plan, rebuilt_plan
+from overlapddp.layout.plan import MIB, BucketCaps, assign_by_size, explicit_plan, initial_plan, rebuilt_plan
 
 
 def floats(*numels: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-import overlapddp.bucket_reduction as bucket_reduction
-from overlapddp.bucket_reduction import BucketReduction
-from overlapddp.comm_hook import Bucket
+import overlapddp.bucket.reduction as bucket_reduction
+from overlapddp.bucket.comm_hook import Bucket
+from overlapddp.bucket.reduction import BucketReduction
 
 
 class _Storage:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from overlapddp.bucket_storage import BucketStorage, is_dense_permutation, strided_view
+from overlapddp.bucket.storage import BucketStorage, is_dense_permutation, strided_view
 
 
 def _params(*shapes: tuple[int, ...]) -> list[nn.Parameter]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from overlapddp.bucket_unscaler import BucketUnscaler
+from overlapddp.optim.unscaler import BucketUnscaler
 
 
 def test_an_inf_in_an_early_bucket_is_still_found_late_in_a_long_run() -> None:

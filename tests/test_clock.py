@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from overlapddp.tuning.clock import CudaClock, HostClock, clock_for
+from overlapddp.clock import CudaClock, HostClock, clock_for
 
 
 class _Cuda:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from overlapddp.comm_hook import Bucket, is_unchained
+from overlapddp.bucket.comm_hook import Bucket, is_unchained
 
 
 def test_gradients_are_views_of_the_buffer_shaped_as_their_parameters():

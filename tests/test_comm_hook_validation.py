@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from overlapddp.comm_hook import Bucket
-from overlapddp.comm_hook_validation import CommHookSignatureError, builtin_hook, check_comm_hook
+from overlapddp.bucket.comm_hook import Bucket
+from overlapddp.bucket.comm_hook_validation import CommHookSignatureError, builtin_hook, check_comm_hook
 
 
 def annotated(name, bucket=None, returns=None):

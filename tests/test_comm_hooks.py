@@ -348,7 +348,7 @@ def test_bf16_compress_hook_is_accepted_on_gloo(one_rank):
 
 
 def test_a_hook_can_declare_that_it_needs_no_chaining():
-    from overlapddp.comm_hook import is_unchained
+    from overlapddp.bucket.comm_hook import is_unchained
 
     def custom(state, bucket):
         return default_hooks.allreduce_hook(state, bucket)

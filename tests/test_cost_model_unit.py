@@ -1,6 +1,6 @@
 """The tuned bucket planner's cost model, rule by rule, with hand-computed values.
 
-``overlapddp/tuning/cost_model.py`` is pure arithmetic (no collectives, no autograd), so every rule
+``overlapddp/layout/cost_model.py`` is pure arithmetic (no collectives, no autograd), so every rule
 is checked here in the test process: no process group, no spawned ranks, each test a few
 milliseconds. test_tuned_plan.py checks the planner against brute force on random cases; here each
 clamp, default, boundary and tie-break is pinned on a case small enough to work out by hand. Times
@@ -17,8 +17,7 @@ import dataclasses
 import pytest
 import torch
 
-from overlapddp.bucket_plan import BucketPlan
-from overlapddp.tuning.cost_model import (
+from overlapddp.layout.cost_model import (
     MAX_BUCKET_TENSORS,
     NO_FINALIZE_WORK,
     BucketTiming,
@@ -30,6 +29,7 @@ from overlapddp.tuning.cost_model import (
     predicted_end,
     tuned_plan,
 )
+from overlapddp.layout.plan import BucketPlan
 from tests.partitions import all_partitions
 
 

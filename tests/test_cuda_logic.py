@@ -14,12 +14,12 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from overlapddp import OverlapDDP, construction, module_sync, testing
-from overlapddp.bucket_plan import BucketCaps, explicit_plan
+from overlapddp.bucket.token_weighting import TokenCount
 from overlapddp.fence import CudaFence, Fence, fence_for
+from overlapddp.layout.plan import BucketCaps, explicit_plan
 from overlapddp.param_usage import UsageMap
 from overlapddp.reducer import Reducer
 from overlapddp.testing import DelayedFence
-from overlapddp.token_weighting import TokenCount
 from tests.fake_cuda import HostReads, RecordingKit
 
 CPU = torch.device("cpu")

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from overlapddp.optimizer_guard import OptimizerGuard
+from overlapddp.optim.guard import OptimizerGuard
 
 
 class _Fence:

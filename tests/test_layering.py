@@ -14,29 +14,30 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "overlapddp"
 # overlapddp.integrations sits above every layer: only users import it, and only it imports a framework.
 INTEGRATIONS = PACKAGE / "integrations"
-SUBPACKAGES = {"tuning"}
+SUBPACKAGES = {"bucket", "layout", "optim", "shard"}
 FRAMEWORKS = {"lightning", "pytorch_lightning", "accelerate", "transformers", "ray", "torchft"}
 
 # Lowest first; a module may import only from strictly lower layers.
-# A module of a subpackage is named with its package: ``tuning.clock``; ``tuning`` is its ``__init__``.
+# A module of a subpackage is named with its package: ``layout.plan``; ``layout`` is its ``__init__``.
 LAYERS = [
-    {"device_streams", "torch_compat", "tuning.clock", "backend_support", "options", "frames"},
-    {"bucket_plan", "bucket_storage", "fence", "comm_hook", "param_usage", "token_weighting", "module_sync",
-     "bucket_unscaler", "sparse_reduction", "sync_checks", "progress",
-     "shard_layout", "shard_collectives"},
-    {"tuning.cost_model", "comm_hook_validation", "timeline", "delayed_reduction", "mixed_precision",
-     "tuning.selection", "bucket_reduction", "gradient_checks", "shard_relayout"},
-    {"tuning.tuner", "tuning"},
+    {"device_streams", "torch_compat", "clock", "backend_support", "options", "frames",
+     "bucket", "layout", "optim", "shard"},  # (the folders' docstrings)
+    {"layout.plan", "bucket.storage", "fence", "bucket.comm_hook", "param_usage", "bucket.token_weighting",
+     "module_sync", "optim.unscaler", "bucket.sparse_storage", "sync_checks", "progress",
+     "shard.layout", "shard.collectives"},
+    {"layout.cost_model", "bucket.comm_hook_validation", "timeline", "delayed_reduction", "mixed_precision",
+     "layout.selection", "bucket.reduction", "bucket.gradient_checks", "shard.relayout"},
+    {"layout.tuner"},
     # Which layout is in force (initial, DDP's rebuild, tuning, final); how one bucket is reduced.
-    {"layout_lifecycle", "bucket_pipeline"},
+    {"layout.lifecycle", "bucket.pipeline"},
     {"reducer"},
-    {"optimizer_guard", "optimizer_overlap", "join", "pickling", "shard_checks"},
+    {"optim.guard", "optim.overlap", "join", "pickling", "shard.checks"},
     # The adapter between Dynamo's graphs and the wrapper (it knows fx, not module hooks), and the
     # constructor's steps (validate, resolve, synchronize: it reads the nn.Module).
     {"compile_split", "construction"},
-    {"sharded_optimizer"},  # the optimizer over each rank's shards; it hooks the wrapped module's forward
-    {"wrapper", "sharded_checkpoint"},  # (the checkpoint functions read the sharded optimizer)
-    {"testing", "__init__"},
+    {"shard.optimizer"},  # the optimizer over each rank's shards; it hooks the wrapped module's forward
+    {"wrapper", "shard.checkpoint"},  # (the checkpoint functions read the sharded optimizer)
+    {"testing", "__init__", "sharded_checkpoint"},
 ]
 # Below the wrapper nothing knows nn.Module or module hooks (the reducer is driven by mark_ready).
 BELOW_THE_WRAPPER = set().union(*LAYERS[: LAYERS.index({"compile_split", "construction"})])
@@ -77,7 +78,7 @@ def _core_modules() -> list[Path]:
 
 
 def _name(path: Path) -> str:
-    """``tuning/clock.py`` -> ``tuning.clock``; ``tuning/__init__.py`` -> ``tuning``."""
+    """``layout/plan.py`` -> ``layout.plan``; ``layout/__init__.py`` -> ``layout``."""
     parts = path.relative_to(PACKAGE).with_suffix("").parts
     return ".".join(parts[:-1] if len(parts) > 1 and parts[-1] == "__init__" else parts)
 
@@ -184,5 +185,5 @@ def test_the_check_sees_a_framework_import(tmp_path):
 def test_the_module_map_in_the_docs_names_every_module():
     text = (PACKAGE.parent / "docs" / "how_it_works.md").read_text()
     documented = set(re.findall(r"`([a-z_/]+)\.py`", text))
-    modules = {name.replace(".", "/") for name in set().union(*LAYERS)} - {"__init__", "tuning"}
+    modules = {name.replace(".", "/") for name in set().union(*LAYERS)} - {"__init__"} - SUBPACKAGES
     assert sorted(modules - documented) == [], "modules missing from the map in docs/how_it_works.md"

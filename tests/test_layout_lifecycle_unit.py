@@ -11,11 +11,11 @@ from typing import Any, Callable, Sequence
 import pytest
 import torch
 
-from overlapddp import layout_lifecycle
-from overlapddp.bucket_plan import BucketCaps, BucketPlan, explicit_plan, initial_plan, rebuilt_plan
-from overlapddp.layout_lifecycle import LayoutLifecycle, LayoutPhase
+from overlapddp.layout import lifecycle as layout_lifecycle
+from overlapddp.layout.lifecycle import LayoutLifecycle, LayoutPhase
+from overlapddp.layout.plan import BucketCaps, BucketPlan, explicit_plan, initial_plan, rebuilt_plan
+from overlapddp.layout.tuner import TUNING_ITERATIONS
 from overlapddp.options import ReducerOptions
-from overlapddp.tuning.tuner import TUNING_ITERATIONS
 
 PARAMS = [torch.zeros(3), torch.zeros(5), torch.zeros(2), torch.zeros(4)]  # 12, 20, 8, 16 bytes
 SPARSE = [False] * len(PARAMS)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from overlapddp.comm_hook import is_unchained
+from overlapddp.bucket.comm_hook import is_unchained
 from overlapddp.mixed_precision import MixedPrecision, ParameterCasts, ReduceInPrecision, reduce_in_precision_hook
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from overlapddp import OverlapDDP, optimizer_overlap
+from overlapddp import OverlapDDP
+from overlapddp.optim import overlap as optimizer_overlap
 from tests import models, test_optimizer_overlap
 from tests.test_optimizer_overlap import (
     _compare,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from overlapddp.bucket_plan import MIB, BucketCaps, BucketPlan, explicit_plan, rebuilt_plan
-from overlapddp.tuning.clock import HostClock
-from overlapddp.tuning.selection import (
+from overlapddp.clock import HostClock
+from overlapddp.layout.plan import MIB, BucketCaps, BucketPlan, explicit_plan, rebuilt_plan
+from overlapddp.layout.selection import (
     FINAL_ITERATIONS,
     FINALISTS,
     MAX_CANDIDATES,

@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlapddp.bucket_plan import BucketCaps
 from overlapddp.delayed_reduction import DelayedReduction
 from overlapddp.fence import Fence, FenceLog
+from overlapddp.layout.plan import BucketCaps
 from overlapddp.options import ReducerOptions
 from overlapddp.progress import ProgressRecord
 from overlapddp.reducer import GraphMode, Reducer, ReducerState

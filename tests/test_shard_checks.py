@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from overlapddp.shard_checks import ShardRequest, check_shardable
+from overlapddp.shard.checks import ShardRequest, check_shardable
 
 
 def _request(params: list[torch.Tensor], **changes: object) -> ShardRequest:

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlapddp import shard_collectives
-from overlapddp.shard_collectives import Broadcasts, gather_shards, reduce_to_shard
+from overlapddp.shard import collectives as shard_collectives
+from overlapddp.shard.collectives import Broadcasts, gather_shards, reduce_to_shard
 
 
 class _Group:

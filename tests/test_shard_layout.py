@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from overlapddp.shard_layout import Piece, padded_length, plan_bucket, plan_shards
+from overlapddp.shard.layout import Piece, padded_length, plan_bucket, plan_shards
 
 
 def _owners_element_by_element(lengths: list[int], world_size: int) -> dict[tuple[int, int], tuple[int, int]]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from overlapddp.shard_layout import plan_bucket
-from overlapddp.shard_relayout import HeldShard, moved_state
+from overlapddp.shard.layout import plan_bucket
+from overlapddp.shard.relayout import HeldShard, moved_state
 
 
 def test_state_moves_to_the_new_layout_with_its_plain_values(one_rank: None) -> None:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from overlapddp import OverlapDDP
-from overlapddp.sharded_checkpoint import load_sharded, save_sharded
+from overlapddp.shard.checkpoint import load_sharded, save_sharded
 
 
 def _sharded_after_a_step(width: int, inputs: float = 1.0):

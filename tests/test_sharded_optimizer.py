@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
-from overlapddp.sharded_checkpoint import load_sharded, save_sharded
+from overlapddp.shard.checkpoint import load_sharded, save_sharded
 from overlapddp.testing import delay_communication, delay_parameter_gathers, unfenced
 from tests import models
 from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
@@ -373,7 +373,7 @@ def test_an_iteration_dropped_mid_reduction_leaves_no_clipping_state_behind(one_
     """After a first step (DDP's one-bucket layout), bucket 1's reduce-scatter fails once bucket 0 was
     reduced: with clipping nothing was updated, so the next steps must equal those of a model that
     never ran the failed backward."""
-    from overlapddp import sharded_optimizer
+    from overlapddp.shard import optimizer as sharded_optimizer
 
     seed_model = models.build("transformer")
     failing, failing_opt = _clipped_sgd(seed_model)
@@ -422,7 +422,7 @@ def test_a_state_dict_loaded_between_backward_and_forward_is_not_overwritten_by_
 
 
 def test_backends_other_than_gloo_and_nccl_are_refused_by_name():
-    from overlapddp.shard_checks import ShardRequest, check_shardable
+    from overlapddp.shard.checks import ShardRequest, check_shardable
 
     param = torch.nn.Parameter(torch.zeros(3))
     request = ShardRequest([param], ["w"], {id(param): "w"}, {}, None, backend="mpi")

@@ -2,7 +2,7 @@
 
 On one rank a bucket is a single shard (no padding, rank 0 owns every element), so the division by
 the world size and the cuts between ranks are left to tests/test_sharded_optimizer.py. Everything
-else in sharded_optimizer.py is the same code and is checked here within seconds: the shards'
+else in shard/optimizer.py is the same code and is checked here within seconds: the shards'
 updates against stock DDP with the same plain optimizer (``torch.equal`` on every parameter, buffer
 and consolidated state tensor after every step), the state moved along DDP's bucket rebuild, the
 unsharded state dict and its loading, clipping, a dropped iteration, every refusal by its message,
@@ -25,8 +25,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
-from overlapddp.shard_layout import Piece, plan_bucket
-from overlapddp.sharded_optimizer import (
+from overlapddp.shard.layout import Piece, plan_bucket
+from overlapddp.shard.optimizer import (
     ShardedOptimizer,
     _BucketShardState,
     _hyperparameters,
@@ -564,7 +564,7 @@ def test_an_iteration_dropped_mid_reduction_leaves_no_clipping_state_behind(
     (failing, fresh), (failing_opt, fresh_opt) = wrappers, opts
     _step_both("mlp", ((failing, failing_opt), (fresh, fresh_opt)), 0)
     launches = []
-    real = dist.all_reduce  # over gloo each bucket is all-reduced in place (shard_collectives.py)
+    real = dist.all_reduce  # over gloo each bucket is all-reduced in place (shard/collectives.py)
 
     def second_fails(*args: Any, **kwargs: Any) -> Any:
         launches.append(None)

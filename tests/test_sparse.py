@@ -18,7 +18,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from overlapddp import OverlapDDP, sparse_reduction
+from overlapddp import OverlapDDP
+from overlapddp.bucket import sparse_storage as sparse_reduction
 from tests.multiprocess import run_ranks
 
 STEPS = 4

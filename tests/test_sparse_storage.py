@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from overlapddp.sparse_reduction import SparseBucketStorage
+from overlapddp.bucket.sparse_storage import SparseBucketStorage
 
 
 def _sparse(values: list[float], rows: list[int], shape: tuple[int, int] = (4, 1)) -> torch.Tensor:

@@ -163,7 +163,7 @@ def test_a_missing_released_wait_shows_only_when_the_backward_stream_changes(one
 def test_the_cuda_clock_never_makes_the_communication_stream_wait_for_a_collective(one_rank):
     import torch.distributed as dist
 
-    from overlapddp.tuning.clock import CudaClock
+    from overlapddp.clock import CudaClock
 
     sim = Sim()
     with simulate(sim):
@@ -390,7 +390,7 @@ def test_cuda_kit_records_a_device_tensor_and_a_sparse_ones_parts(monkeypatch):
 
 
 def test_the_token_count_read_after_a_stream_wait_instead_of_an_event_synchronize_races(one_rank, monkeypatch):
-    from overlapddp.token_weighting import TokenCount
+    from overlapddp.bucket.token_weighting import TokenCount
 
     real_launch = TokenCount.launch
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from overlapddp.bucket.token_weighting import TokenCount
 from overlapddp.device_streams import CudaKit
-from overlapddp.token_weighting import TokenCount
 from tests.fake_cuda import RecordingKit
 
 

@@ -22,7 +22,7 @@ pytest.importorskip("torchft")
 from torchft.manager import Manager  # noqa: E402
 
 from overlapddp.integrations import torchft as ours  # noqa: E402
-from overlapddp.optimizer_guard import OptimizerGuard  # noqa: E402
+from overlapddp.optim.guard import OptimizerGuard  # noqa: E402
 
 
 class _Work:

@@ -21,9 +21,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
-from overlapddp.bucket_plan import BucketPlan, explicit_plan
-from overlapddp.tuning import selection, tuner
-from overlapddp.tuning.cost_model import (
+from overlapddp.layout import selection, tuner
+from overlapddp.layout.cost_model import (
     BucketTiming,
     FinalizeFit,
     LinkFit,
@@ -32,6 +31,7 @@ from overlapddp.tuning.cost_model import (
     predicted_end,
     tuned_plan,
 )
+from overlapddp.layout.plan import BucketPlan, explicit_plan
 from tests import models
 from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
 from tests.partitions import all_partitions

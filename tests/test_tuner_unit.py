@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlapddp.bucket_plan import MIB, BucketCaps, BucketPlan, explicit_plan, rebuilt_plan
-from overlapddp.tuning import tuner as tuner_module
-from overlapddp.tuning.clock import HostClock, Stamp
-from overlapddp.tuning.cost_model import BucketTiming
-from overlapddp.tuning.selection import MAX_SELECTION_ITERATIONS
-from overlapddp.tuning.tuner import CALIBRATION_ITERATIONS, TUNING_ITERATIONS, PlanTuner
+from overlapddp.clock import HostClock, Stamp
+from overlapddp.layout import tuner as tuner_module
+from overlapddp.layout.cost_model import BucketTiming
+from overlapddp.layout.plan import MIB, BucketCaps, BucketPlan, explicit_plan, rebuilt_plan
+from overlapddp.layout.selection import MAX_SELECTION_ITERATIONS
+from overlapddp.layout.tuner import CALIBRATION_ITERATIONS, TUNING_ITERATIONS, PlanTuner
 
 
 class FakeClock(HostClock):

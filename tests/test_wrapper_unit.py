@@ -28,10 +28,10 @@ from torch.utils.checkpoint import checkpoint
 
 from overlapddp import OverlapDDP, wrapper
 from overlapddp.fence import Fence, FenceLog
-from overlapddp.optimizer_guard import OptimizerGuard
-from overlapddp.optimizer_overlap import OverlappedOptimizer
-from overlapddp.sharded_optimizer import ShardedOptimizer
-from overlapddp.tuning.tuner import TUNING_ITERATIONS
+from overlapddp.layout.tuner import TUNING_ITERATIONS
+from overlapddp.optim.guard import OptimizerGuard
+from overlapddp.optim.overlap import OverlappedOptimizer
+from overlapddp.shard.optimizer import ShardedOptimizer
 
 BF16 = _MixedPrecision(param_dtype=torch.bfloat16)
 

@@ -31,7 +31,7 @@ _NEXT_LAUNCH = (
 _BUCKET_INDEX = "a bucket's index is below the number of buckets, so '>= count - 1' is '== count - 1'"
 _MISSING = "a bucket's missing count starts at its member count and only falls, so '<' is '!='"
 _SPARSE_ALONE = (
-    "a parameter with sparse gradients gets a bucket of its own (bucket_plan.py), so a bucket's first and last "
+    "a parameter with sparse gradients gets a bucket of its own (layout/plan.py), so a bucket's first and last "
     "member are one parameter, or both dense"
 )
 
@@ -87,31 +87,31 @@ STEPPED_AT_ALIASES = (
 
 EQUIVALENTS: tuple[Equivalent, ...] = (
     Equivalent(
-        "overlapddp/comm_hook_validation.py",
+        "overlapddp/bucket/comm_hook_validation.py",
         'if annotation is not inspect.Parameter.empty and annotation not in (dist.GradBucket, Bucket, "dist.GradBucket"): '  # noqa: E501 (the line as cosmic-ray changes it)
         '=> if annotation != inspect.Parameter.empty and annotation not in (dist.GradBucket, Bucket, "dist.GradBucket"):',  # noqa: E501 (the line as cosmic-ray changes it)
         _EMPTY,
     ),
     Equivalent(
-        "overlapddp/comm_hook_validation.py",
+        "overlapddp/bucket/comm_hook_validation.py",
         "if returned is not inspect.Signature.empty and returned not in ( "
         "=> if returned != inspect.Signature.empty and returned not in (",
         _EMPTY,
     ),
     Equivalent(
-        "overlapddp/comm_hook.py",
+        "overlapddp/bucket/comm_hook.py",
         "self._buffer.narrow(0, off, length).view(param.shape) => self._buffer.narrow( -1, off, length).view(param.shape)",  # noqa: E501 (the line as cosmic-ray changes it)
         "a bucket's buffer is one-dimensional, so its last dimension is its first",
     ),
     Equivalent(
-        "overlapddp/comm_hook.py",
+        "overlapddp/bucket/comm_hook.py",
         "for off, length, param in zip(self._offsets, self._lengths, self._params, strict=True) "
         "=> for off, length, param in zip(self._offsets, self._lengths, self._params, strict=False)",
         "BucketStorage derives lengths and offsets from its own params list (one entry each), and the "
         "pipeline hands exactly those three to Bucket, so they never differ in length and strict never fires",
     ),
     Equivalent(
-        "overlapddp/comm_hook_validation.py",
+        "overlapddp/bucket/comm_hook_validation.py",
         "return str(self.args[0]) => return str(self.args[ -1])",
         "the error is raised in one place, with exactly one argument, so args[0] is args[-1]",
     ),
@@ -126,77 +126,77 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         _STACKLEVEL,
     ),
     Equivalent(
-        "overlapddp/shard_layout.py",
+        "overlapddp/shard/layout.py",
         "@dataclass(frozen=True) => @dataclass(frozen=False)",
         "no Piece or BucketShard is ever assigned to or hashed (they are dict values, list items and pickled "
         "objects), and equality, repr and pickling are the same for a frozen and a plain dataclass",
     ),
     Equivalent(
-        "overlapddp/shard_layout.py",
+        "overlapddp/shard/layout.py",
         "if world_size < 1 or not 0 <= rank < world_size: => if world_size < 0 or not 0 <= rank < world_size:",
         "for world_size 0 no rank satisfies 0 <= rank < 0, so the rank check refuses it anyway (tested, with "
         "its message)",
     ),
     Equivalent(
-        "overlapddp/shard_layout.py",
+        "overlapddp/shard/layout.py",
         "for param, length in zip(members, lengths, strict=True): => for param, length in zip(members, lengths, strict=False):",  # noqa: E501 (the line as cosmic-ray changes it)
         "plan_shards, its only caller in the package, builds lengths from members, one per member",
     ),
     Equivalent(
-        "overlapddp/bucket_plan.py",
+        "overlapddp/layout/plan.py",
         "@dataclass(frozen=True) => @dataclass(frozen=False)",
         "no BucketCaps or BucketPlan is ever assigned to or hashed (plans are compared by identity, caps read), "
         "and equality and repr are the same for a frozen and a plain dataclass",
     ),
     Equivalent(
-        "overlapddp/bucket_plan.py",
+        "overlapddp/layout/plan.py",
         "if isinstance(bucket_cap_mb_list, (str, bytes)) or len(bucket_cap_mb_list) == 0: "
         "=> if isinstance(bucket_cap_mb_list, (str, bytes)) or len(bucket_cap_mb_list) <= 0:",
         "a length is never negative",
     ),
     Equivalent(
-        "overlapddp/bucket_plan.py",
+        "overlapddp/layout/plan.py",
         "return self.rebuild_limits() if self.first_bytes < self.bytes_cap else [self.bytes_cap] "
         "=> return self.rebuild_limits() if self.first_bytes != self.bytes_cap else [self.bytes_cap]",
         "without a cap list, first_bytes is 1 MiB under the 25 MiB default cap or equals the user's cap: never "
         "larger, so < and != agree",
     ),
     Equivalent(
-        "overlapddp/bucket_plan.py",
+        "overlapddp/layout/plan.py",
         "return self.rebuild_limits() if self.first_bytes < self.bytes_cap else [self.bytes_cap] "
         "=> return self.rebuild_limits() if self.first_bytes is not self.bytes_cap else [self.bytes_cap]",
         "first_bytes is the user's cap object itself, or 1 MiB under the 25 MiB default; and where equal caps were "
         "distinct objects, limits [cap, cap] assign exactly as [cap] (the last limit repeats)",
     ),
     Equivalent(
-        "overlapddp/bucket_unscaler.py",
+        "overlapddp/optim/unscaler.py",
         "if p.grad.dtype == torch.float16: => if p.grad.dtype is torch.float16:",
         "torch dtypes are singletons: a float16 gradient's dtype is torch.float16 itself",
     ),
     Equivalent(
-        "overlapddp/bucket_unscaler.py",
+        "overlapddp/optim/unscaler.py",
         "if optimizer is not self._optimizer: => if optimizer != self._optimizer:",
         "torch.optim.Optimizer defines no __eq__, so != compares identity, as is not does",
     ),
     Equivalent(
-        "overlapddp/bucket_unscaler.py",
+        "overlapddp/optim/unscaler.py",
         'if self.scaler._per_optimizer_states[id(self._optimizer)]["stage"] is not OptState.READY: '
         '=> if self.scaler._per_optimizer_states[id(self._optimizer)]["stage"] != OptState.READY:',
         "OptState is an Enum: its members compare equal only to themselves",
     ),
     Equivalent(
-        "overlapddp/optimizer_guard.py",
+        "overlapddp/optim/guard.py",
         "if self._reducer.reductions == self._stepped_at: => if self._reducer.reductions <= self._stepped_at:",
         "_stepped_at is only ever set to the reducer's reductions, which only grow: never larger than them",
     ),
     Equivalent(
-        "overlapddp/optimizer_guard.py",
+        "overlapddp/optim/guard.py",
         '+ ("no synchronized backward has run yet." if self._stepped_at == 0 else '
         '=> + ("no synchronized backward has run yet." if self._stepped_at <= 0 else',
         "_stepped_at starts at 0 and is only set to the reducer's reductions, a count: never negative",
     ),
     Equivalent(
-        "overlapddp/optimizer_guard.py",
+        "overlapddp/optim/guard.py",
         "if optimizer is self.optimizer: => if optimizer == self.optimizer:",
         "torch.optim.Optimizer defines no __eq__, so == compares identity, as is does",
     ),
@@ -207,7 +207,7 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "torch dtypes are singletons: equal dtypes are the same object",
     ),
     Equivalent(
-        "overlapddp/optimizer_guard.py",
+        "overlapddp/optim/guard.py",
         "if self._reducer.reductions == self._stepped_at: => if self._reducer.reductions is self._stepped_at:",
         "_stepped_at is 0 (a cached small int, as the reducer's first count) or the very object the reducer's "
         "count held at the last step; the count changes only by += 1, to a different value: equal means identical",
@@ -248,12 +248,12 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "~1 is -2: like -1 it is below every rank, so a MAX picks a candidate and all-negative still means none",
     ),
     Equivalent(
-        "overlapddp/shard_collectives.py",
+        "overlapddp/shard/collectives.py",
         'if backend == "gloo": => if backend <= "gloo":',
         "the backend is one of SHARDED_BACKENDS (refused otherwise when the optimizer is sharded): 'nccl' > 'gloo'",
     ),
     Equivalent(
-        "overlapddp/shard_collectives.py",
+        "overlapddp/shard/collectives.py",
         'if backend != "gloo": => if backend > "gloo":',
         "the backend is one of SHARDED_BACKENDS (refused otherwise when the optimizer is sharded): 'nccl' > 'gloo'",
     ),
@@ -285,46 +285,46 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "only whether the SUM is 0 is read: a sum of 2.0s is 0 exactly when a sum of 1.0s is",
     ),
     Equivalent(
-        "overlapddp/shard_relayout.py",
+        "overlapddp/shard/relayout.py",
         "moved[param][key] = gathered.narrow(0, start, new.length).clone() "
         "=> moved[param][key] = gathered.narrow( -1, start, new.length).clone()",
         "gathered is one-dimensional: its last dimension is its first",
     ),
     Equivalent(
-        "overlapddp/token_weighting.py",
+        "overlapddp/bucket/token_weighting.py",
         "total = float(self._on_host[0]) => total = float(self._on_host[ -1])",
         "the host copy of the count holds one element",
     ),
     Equivalent(
-        "overlapddp/token_weighting.py",
+        "overlapddp/bucket/token_weighting.py",
         "total = float(future.wait()[0].item()) => total = float(future.wait()[ -1].item())",
         "an all_reduce of one tensor completes its future with a list of exactly that tensor",
     ),
     Equivalent(
-        "overlapddp/shard_relayout.py",
+        "overlapddp/shard/relayout.py",
         "@dataclass(frozen=True) => @dataclass(frozen=False)",
         "a HeldShard is built once per relayout and only read: never assigned to or hashed",
     ),
     Equivalent(
-        "overlapddp/shard_relayout.py",
+        "overlapddp/shard/relayout.py",
         "shard.narrow(0, piece.shard_offset, piece.length).copy_(cast(torch.Tensor, entry[key])) "
         "=> shard.narrow( -1, piece.shard_offset, piece.length).copy_(cast(torch.Tensor, entry[key]))",
         "the shard is one-dimensional: its last dimension is its first",
     ),
     Equivalent(
-        "overlapddp/token_weighting.py",
+        "overlapddp/bucket/token_weighting.py",
         'reduced = self._kit.wait_future(future, "collective")[0] '
         '=> reduced = self._kit.wait_future(future, "collective")[ -1]',
         "an all_reduce of one tensor completes its future with a list of exactly that tensor",
     ),
     Equivalent(
-        "overlapddp/token_weighting.py",
+        "overlapddp/bucket/token_weighting.py",
         "self._on_host = torch.empty(1, dtype=torch.float64, pin_memory=reduced.is_cuda) "
         "=> self._on_host = torch.empty( 2, dtype=torch.float64, pin_memory=reduced.is_cuda)",
         "the one-element count is copied into a two-element buffer by broadcasting, and only element 0 is read",
     ),
     Equivalent(
-        "overlapddp/token_weighting.py",
+        "overlapddp/bucket/token_weighting.py",
         "if total <= 0: => if total == 0:",
         "the total is a SUM of counts add() keeps non-negative: never below 0",
     ),
@@ -344,27 +344,27 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "the fence's bucket edges (produced, launched, completed, consumed) all sort after 'backward end', so the order comparison agrees with inequality on every edge a log can hold",
     ),
     Equivalent(
-        'overlapddp/gradient_checks.py',
+        'overlapddp/bucket/gradient_checks.py',
         '(i, p.grad, p.grad._version) for i, p in zip(members, params, strict=True) if p.grad is not None => (i, p.grad, p.grad._version) for i, p in zip(members, params, strict=False) if p.grad is not None',
         'the two sequences come from one bucket (members and their parameters, or the entries and the flags stacked from them): their lengths are equal by construction, so strict never fires',
     ),
     Equivalent(
-        'overlapddp/gradient_checks.py',
+        'overlapddp/bucket/gradient_checks.py',
         'present = [(i, p.grad) for i, p in zip(members, params, strict=True) if p.grad is not None] => present = [(i, p.grad) for i, p in zip(members, params, strict=False) if p.grad is not None]',
         'the two sequences come from one bucket (members and their parameters, or the entries and the flags stacked from them): their lengths are equal by construction, so strict never fires',
     ),
     Equivalent(
-        'overlapddp/gradient_checks.py',
+        'overlapddp/bucket/gradient_checks.py',
         'bad = [names[i] for (i, _), flag in zip(present, flags.tolist(), strict=True) if flag] => bad = [names[i] for (i, _), flag in zip(present, flags.tolist(), strict=False) if flag]',
         'the two sequences come from one bucket (members and their parameters, or the entries and the flags stacked from them): their lengths are equal by construction, so strict never fires',
     ),
     Equivalent(
-        'overlapddp/gradient_checks.py',
+        'overlapddp/bucket/gradient_checks.py',
         'if self._params[i].grad is not grad or grad._version != version] => if self._params[i].grad is not grad or grad._version > version]',
         "a tensor's version counter only grows, so a changed version is always a larger one",
     ),
     Equivalent(
-        'overlapddp/gradient_checks.py',
+        'overlapddp/bucket/gradient_checks.py',
         'if count.item() == 0: => if count.item() <= 0:',
         'the count is a sum of 0/1 flags over ranks: never below 0',
     ),
@@ -404,12 +404,12 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         'an all_reduce of one tensor completes its future with a list of exactly that tensor',
     ),
     Equivalent(
-        "overlapddp/bucket_reduction.py",
+        "overlapddp/bucket/reduction.py",
         "self._divide_by: float | None = 1 => self._divide_by: float | None = 0",
         "never read: gradients are copied in only after a synchronized forward, whose arm() sets it first",
     ),
     Equivalent(
-        'overlapddp/shard_checks.py',
+        'overlapddp/shard/checks.py',
         'missing = [name for p, name in zip(request.params, request.names, strict=True) if id(p) not in held] => missing = [name for p, name in zip(request.params, request.names, strict=False) if id(p) not in held]',
         "params and names are the reducer's two lists of one length (wrapper._attach_sharded): strict never fires",
     ),
@@ -459,167 +459,167 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "no torch device type sorts below 'cpu' (cuda, hpu, meta, mps, xpu, ... all sort above it), so '> cpu' is '!= cpu'",
     ),
     Equivalent(
-        'overlapddp/tuning/selection.py',
+        'overlapddp/layout/selection.py',
         'if dist.get_rank(process_group) == 0: => if dist.get_rank(process_group) >= 0:',
         _RANK_ZERO,
     ),
     Equivalent(
-        'overlapddp/tuning/selection.py',
+        'overlapddp/layout/selection.py',
         'if dist.get_rank(process_group) == 0: => if dist.get_rank(process_group) <= 0:',
         _RANK_ZERO,
     ),
     Equivalent(
-        'overlapddp/tuning/selection.py',
+        'overlapddp/layout/selection.py',
         'return self._count == len(self.running) * self.iterations => return self._count >= len(self.running) * self.iterations',
         "the count never passes the phase's total: at the forward that reaches it the tuner agrees, which begins the next phase or ends the selection",
     ),
     Equivalent(
-        'overlapddp/tuning/selection.py',
+        'overlapddp/layout/selection.py',
         'return self._count == len(self.running) * self.iterations => return self._count is len(self.running) * self.iterations',
         "both sides are small ints (at most MAX_CANDIDATES x FINAL_ITERATIONS), which CPython keeps one object each of",
     ),
     Equivalent(
-        'overlapddp/tuning/selection.py',
+        'overlapddp/layout/selection.py',
         'return [[self._clock.seconds(start, [end])[0] for start, end in timed] for timed in self._timed] => return [[self._clock.seconds(start, [end])[ -1] for start, end in timed] for timed in self._timed]',
         "seconds() is given one stamp and returns one value: the first is the last",
     ),
     Equivalent(
-        'overlapddp/tuning/tuner.py',
+        'overlapddp/layout/tuner.py',
         'self._clock = clock_for(self._params[0].device) => self._clock = clock_for(self._params[ -1].device)',
         "OverlapDDP refuses a module whose parameters are on more than one device (construction.py): the last parameter's device is the first's",
     ),
     Equivalent(
-        'overlapddp/tuning/tuner.py',
+        'overlapddp/layout/tuner.py',
         'self._ended = False  # a synchronized iteration ended (or was shadowed) since the last forward => self._ended = True  # a synchronized iteration ended (or was shadowed) since the last forward',
         "never read: between_iterations resets the flag before the selection that reads it exists",
     ),
     Equivalent(
-        'overlapddp/tuning/tuner.py',
+        'overlapddp/layout/tuner.py',
         'for i, seconds in zip(marked, read(stamps), strict=True): => for i, seconds in zip(marked, read(stamps), strict=False):',
         "the stamps are the marked gradients' own, and read() returns one value per stamp: equal lengths",
     ),
     Equivalent(
-        'overlapddp/tuning/tuner.py',
+        'overlapddp/layout/tuner.py',
         'work = [end - start for start, end in zip(starts, ends, strict=True)] => work = [end - start for start, end in zip(starts, ends, strict=False)]',
         "starts and ends are read from the same finalize list, one each: equal lengths",
     ),
     Equivalent(
-        'overlapddp/tuning/tuner.py',
+        'overlapddp/layout/tuner.py',
         'work += [0.0] * (len(buckets) - len(work)) => work += [0.0] * (len(buckets) + len(work))',
         "the padding makes work at least as long as the buckets; the zip that pairs them (strict=False) drops any extra zeros",
     ),
     Equivalent(
-        'overlapddp/tuning/tuner.py',
+        'overlapddp/layout/tuner.py',
         'first = min((t for t in ready if not math.isnan(t)), default=0.0) => first = min((t for t in ready if not math.isnan(t)), default= 1.0)',
         "the default is used only when every ready time is NaN, and NaN minus any first time stays NaN",
     ),
     Equivalent(
-        'overlapddp/tuning/tuner.py',
+        'overlapddp/layout/tuner.py',
         'first = min((t for t in ready if not math.isnan(t)), default=0.0) => first = min((t for t in ready if not math.isnan(t)), default= -1.0)',
         "the default is used only when every ready time is NaN, and NaN minus any first time stays NaN",
     ),
     Equivalent(
-        'overlapddp/tuning/tuner.py',
+        'overlapddp/layout/tuner.py',
         'for (n, tensors, _, _, host_s), start, done, seconds in zip(buckets, launched, finished, work, strict=False) => for (n, tensors, _, _, host_s), start, done, seconds in zip(buckets, launched, finished, work, strict=True)',
         "launched and finished come from the buckets one each and work is padded to their length: strict never fires",
     ),
     Equivalent(
-        'overlapddp/tuning/tuner.py',
+        'overlapddp/layout/tuner.py',
         'if len(layouts) == 1: => if len(layouts) <= 1:',
         "the candidates always include the layout in force (candidate_layouts): never fewer than one",
     ),
     Equivalent(
-        'overlapddp/tuning/tuner.py',
+        'overlapddp/layout/tuner.py',
         'self._finish(layouts[0], adopt) => self._finish(layouts[ -1], adopt)',
         "reached only with exactly one layout: the last is the first",
     ),
     Equivalent(
-        'overlapddp/tuning/tuner.py',
+        'overlapddp/layout/tuner.py',
         'layout = torch.zeros(2, count, dtype=torch.int64, device=device)  # [order; bucket lengths] => layout = torch.zeros( 3, count, dtype=torch.int64, device=device)  # [order; bucket lengths]',
         "a third row of zeros is broadcast with the others and never read; only the size of the broadcast changes",
     ),
     Equivalent(
-        'overlapddp/tuning/tuner.py',
+        'overlapddp/layout/tuner.py',
         'if dist.get_rank(process_group) == 0: => if dist.get_rank(process_group) >= 0:',
         _RANK_ZERO,
     ),
     Equivalent(
-        'overlapddp/tuning/tuner.py',
+        'overlapddp/layout/tuner.py',
         'if dist.get_rank(process_group) == 0: => if dist.get_rank(process_group) <= 0:',
         _RANK_ZERO,
     ),
     Equivalent(
-        'overlapddp/tuning/tuner.py',
+        'overlapddp/layout/tuner.py',
         'order, lengths = layout[0].tolist(), [n for n in layout[1].tolist() if n > 0] => order, lengths = layout[0].tolist(), [n for n in layout[1].tolist() if n != 0]',
         "bucket lengths are counts: never negative, so nonzero is positive",
     ),
     Equivalent(
-        'overlapddp/tuning/tuner.py',
+        'overlapddp/layout/tuner.py',
         'per_gradient = zip(*self._ready, strict=False) => per_gradient = zip(*self._ready, strict=True)',
         "every measured iteration records one ready time per parameter: equal lengths",
     ),
-    Equivalent("overlapddp/tuning/cost_model.py", "samples.append((b.nbytes, max(b.finished - start, 0.0))) => samples.append((b.nbytes, max(b.finished - start, -1.0)))", "a sample's time is only read as max(t - alpha, 0.0); alpha is the smallest host_s, a perf_counter difference (tuner.py), never negative, so a time in [-1, 0) counts 0 s either way"),
-    Equivalent("overlapddp/tuning/cost_model.py", "work_from = [0.0] * (count + 1)  # W: the finalize work of gradients k.. in ready order => work_from = [0.0] * (count + 2)  # W: the finalize work of gradients k.. in ready order", "the extra trailing element is never read: the loop reads k + 1 <= count and the planner reads indices below count"),
-    Equivalent("overlapddp/tuning/cost_model.py", 'fronts: list[list[tuple[float, float, int, int]]] = [[(float("-inf"), float("-inf"), 0, 0)]] => fronts: list[list[tuple[float, float, int, int]]] = [[(float("-inf"), float("-inf"), 1, 0)]]', _EMPTY_PREFIX),
-    Equivalent("overlapddp/tuning/cost_model.py", 'fronts: list[list[tuple[float, float, int, int]]] = [[(float("-inf"), float("-inf"), 0, 0)]] => fronts: list[list[tuple[float, float, int, int]]] = [[(float("-inf"), float("-inf"), -1, 0)]]', _EMPTY_PREFIX),
-    Equivalent("overlapddp/tuning/cost_model.py", 'fronts: list[list[tuple[float, float, int, int]]] = [[(float("-inf"), float("-inf"), 0, 0)]] => fronts: list[list[tuple[float, float, int, int]]] = [[(float("-inf"), float("-inf"), 0, 1)]]', _EMPTY_PREFIX),
-    Equivalent("overlapddp/tuning/cost_model.py", 'fronts: list[list[tuple[float, float, int, int]]] = [[(float("-inf"), float("-inf"), 0, 0)]] => fronts: list[list[tuple[float, float, int, int]]] = [[(float("-inf"), float("-inf"), 0, -1)]]', _EMPTY_PREFIX),
-    Equivalent("overlapddp/tuning/cost_model.py", "backward_end = max(ready_s, default=0.0) => backward_end = max(ready_s, default= 1.0)", _NO_PARAMETERS),
-    Equivalent("overlapddp/tuning/cost_model.py", "backward_end = max(ready_s, default=0.0) => backward_end = max(ready_s, default= -1.0)", _NO_PARAMETERS),
-    Equivalent("overlapddp/tuning/cost_model.py", "while end > 0: => while end != 0:", "end starts at count >= 0 and each step sets it to a bucket's first gradient, 0 <= first < end: it reaches exactly 0, never below"),
-    Equivalent("overlapddp/tuning/cost_model.py", "if len(front) <= FRONT_LIMIT: => if len(front) < FRONT_LIMIT:", "at exactly FRONT_LIMIT entries the spread picks front[round(k * last / last)] = front[k] for every k: the same list"),
+    Equivalent("overlapddp/layout/cost_model.py", "samples.append((b.nbytes, max(b.finished - start, 0.0))) => samples.append((b.nbytes, max(b.finished - start, -1.0)))", "a sample's time is only read as max(t - alpha, 0.0); alpha is the smallest host_s, a perf_counter difference (tuner.py), never negative, so a time in [-1, 0) counts 0 s either way"),
+    Equivalent("overlapddp/layout/cost_model.py", "work_from = [0.0] * (count + 1)  # W: the finalize work of gradients k.. in ready order => work_from = [0.0] * (count + 2)  # W: the finalize work of gradients k.. in ready order", "the extra trailing element is never read: the loop reads k + 1 <= count and the planner reads indices below count"),
+    Equivalent("overlapddp/layout/cost_model.py", 'fronts: list[list[tuple[float, float, int, int]]] = [[(float("-inf"), float("-inf"), 0, 0)]] => fronts: list[list[tuple[float, float, int, int]]] = [[(float("-inf"), float("-inf"), 1, 0)]]', _EMPTY_PREFIX),
+    Equivalent("overlapddp/layout/cost_model.py", 'fronts: list[list[tuple[float, float, int, int]]] = [[(float("-inf"), float("-inf"), 0, 0)]] => fronts: list[list[tuple[float, float, int, int]]] = [[(float("-inf"), float("-inf"), -1, 0)]]', _EMPTY_PREFIX),
+    Equivalent("overlapddp/layout/cost_model.py", 'fronts: list[list[tuple[float, float, int, int]]] = [[(float("-inf"), float("-inf"), 0, 0)]] => fronts: list[list[tuple[float, float, int, int]]] = [[(float("-inf"), float("-inf"), 0, 1)]]', _EMPTY_PREFIX),
+    Equivalent("overlapddp/layout/cost_model.py", 'fronts: list[list[tuple[float, float, int, int]]] = [[(float("-inf"), float("-inf"), 0, 0)]] => fronts: list[list[tuple[float, float, int, int]]] = [[(float("-inf"), float("-inf"), 0, -1)]]', _EMPTY_PREFIX),
+    Equivalent("overlapddp/layout/cost_model.py", "backward_end = max(ready_s, default=0.0) => backward_end = max(ready_s, default= 1.0)", _NO_PARAMETERS),
+    Equivalent("overlapddp/layout/cost_model.py", "backward_end = max(ready_s, default=0.0) => backward_end = max(ready_s, default= -1.0)", _NO_PARAMETERS),
+    Equivalent("overlapddp/layout/cost_model.py", "while end > 0: => while end != 0:", "end starts at count >= 0 and each step sets it to a bucket's first gradient, 0 <= first < end: it reaches exactly 0, never below"),
+    Equivalent("overlapddp/layout/cost_model.py", "if len(front) <= FRONT_LIMIT: => if len(front) < FRONT_LIMIT:", "at exactly FRONT_LIMIT entries the spread picks front[round(k * last / last)] = front[k] for every k: the same list"),
     Equivalent(
-        "overlapddp/bucket_reduction.py",
+        "overlapddp/bucket/reduction.py",
         "self._divide_by: float | None = 1 => self._divide_by: float | None = 2",
         "never read: gradients are copied in only after a synchronized forward, whose arm() sets it first",
     ),
     Equivalent(
-        "overlapddp/bucket_reduction.py",
+        "overlapddp/bucket/reduction.py",
         "chained = bucket.index() > 0 and not is_unchained(hook) => chained = bucket.index() != 0 and not is_unchained(hook)",
         "a bucket's index is its position in the layout: never negative, so nonzero is positive",
     ),
     Equivalent(
-        "overlapddp/bucket_reduction.py",
+        "overlapddp/bucket/reduction.py",
         "return int(work.result()[0].item()) => return int(work.result()[ -1].item())",
         "an all_reduce of one tensor completes its work with a list of exactly that tensor",
     ),
     Equivalent(
-        "overlapddp/sharded_checkpoint.py",
+        "overlapddp/shard/checkpoint.py",
         "return {key: value.local_shards()[0].tensor if isinstance(value, ShardedTensor) else value => return {key: value.local_shards()[ -1].tensor if isinstance(value, ShardedTensor) else value",
         "a rank's entry holds at most one local shard, its one piece of the parameter (_sharded): the first is the last",
     ),
     Equivalent(
-        "overlapddp/sparse_reduction.py",
+        "overlapddp/bucket/sparse_storage.py",
         "param = params[0] => param = params[ -1]",
         _ONE_SPARSE_PARAMETER,
     ),
     Equivalent(
-        "overlapddp/sparse_reduction.py",
+        "overlapddp/bucket/sparse_storage.py",
         "grad = grads[0] => grad = grads[ -1]",
         _ONE_SPARSE_PARAMETER,
     ),
     Equivalent(
-        "overlapddp/sparse_reduction.py",
+        "overlapddp/bucket/sparse_storage.py",
         "if self.params[0].grad is self.buffer: => if self.params[ -1].grad is self.buffer:",
         _ONE_SPARSE_PARAMETER,
     ),
     Equivalent(
-        "overlapddp/sparse_reduction.py",
+        "overlapddp/bucket/sparse_storage.py",
         "self.params[0].grad = None => self.params[ -1].grad = None",
         _ONE_SPARSE_PARAMETER,
     ),
     Equivalent(
-        "overlapddp/sparse_reduction.py",
+        "overlapddp/bucket/sparse_storage.py",
         "if not write[0] or result is self.buffer: => if not write[ -1] or result is self.buffer:",
         _ONE_SPARSE_PARAMETER,
     ),
     Equivalent(
-        "overlapddp/sparse_reduction.py",
+        "overlapddp/bucket/sparse_storage.py",
         "check_invariants=True, => check_invariants=False,",
         "the placeholder has no indices and no values, so it satisfies every invariant: the check only checks",
     ),
     Equivalent(
-        "overlapddp/sparse_reduction.py",
+        "overlapddp/bucket/sparse_storage.py",
         "if grad.layout != torch.sparse_coo: => if grad.layout is not torch.sparse_coo:",
         "torch layouts are singletons that compare by identity, so '!=' and 'is not' agree",
     ),
@@ -637,12 +637,12 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "and '!=' agree",
     ),
     Equivalent(
-        "overlapddp/bucket_pipeline.py",
+        "overlapddp/bucket/pipeline.py",
         "if timing is not None and reduced_at is not None: => if timing is not None or reduced_at is not None:",
         "reduced_at is stamped exactly when timing is given (the line after the wait), so both tests agree",
     ),
     Equivalent(
-        "overlapddp/bucket_pipeline.py",
+        "overlapddp/bucket/pipeline.py",
         "return self.missing == 0 => return self.missing <= 0",
         "missing counts down from the member count once per member: the reducer refuses a second gradient "
         "of one parameter in a backward before it reaches the pipeline, so it never goes below 0",
@@ -660,7 +660,7 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "pieces is split by the chunk's own sizes, one piece per tensor: the lengths never differ",
     ),
     Equivalent(
-        "overlapddp/bucket_pipeline.py",
+        "overlapddp/bucket/pipeline.py",
         "check_nonfinite: bool = False  # before each launch (a debug option): see gradient_checks.nonfinite_error => "
         "check_nonfinite: bool = True  # before each launch (a debug option): see gradient_checks.nonfinite_error",
         "the default is never used: the reducer, which builds every SharedStages, passes check_nonfinite",
@@ -689,18 +689,18 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "construction refuses a module whose parameters are on several devices: the first one's device is the last one's",
     ),
     Equivalent(
-        "overlapddp/bucket_pipeline.py",
+        "overlapddp/bucket/pipeline.py",
         "if TYPE_CHECKING: => if not TYPE_CHECKING:",
         "the guarded import names a type used only in annotations, which this module never evaluates "
         "(from __future__ import annotations); importing it at run time binds a name nothing reads",
     ),
     Equivalent(
-        "overlapddp/bucket_pipeline.py",
+        "overlapddp/bucket/pipeline.py",
         "value = value[0] => value = value[ -1]",
         "the line runs only for a list or tuple of exactly one element (checked on the line before)",
     ),
     *(
-        Equivalent("overlapddp/layout_lifecycle.py", f"{line} => {line.replace(' is not ', ' != ').replace(' is ', ' == ')}",
+        Equivalent("overlapddp/layout/lifecycle.py", f"{line} => {line.replace(' is not ', ' != ').replace(' is ', ' == ')}",
                    "LayoutPhase members are singletons without a custom __eq__: identity and equality agree")
         for line in (
             "if self.phase is LayoutPhase.AWAITING_REBUILD:",
@@ -709,7 +709,7 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         )
     ),
     Equivalent(
-        "overlapddp/layout_lifecycle.py",
+        "overlapddp/layout/lifecycle.py",
         "if tuner is not None and tuned is not None: => if tuner is not None or tuned is not None:",
         "_tuner_for returned (it raises otherwise) exactly when a tuned layout was given, so the tuner is set "
         "exactly when tuned is: the two conditions are always equal",
@@ -724,7 +724,7 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         )
     ),
     *(
-        Equivalent("overlapddp/bucket_storage.py", change,
+        Equivalent("overlapddp/bucket/storage.py", change,
                    "every caller passes one gradient per parameter of the storage ([p.grad for p in storage.params]), "
                    "offsets, views and alias flags are made one per parameter, and a tensor has as many strides as "
                    "sizes: the zipped "
@@ -744,13 +744,13 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         )
     ),
     Equivalent(
-        "overlapddp/bucket_storage.py",
+        "overlapddp/bucket/storage.py",
         "if param.device != first.device or param.dtype != first.dtype: => "
         "if param.device != first.device or param.dtype is not first.dtype:",
         "torch dtypes are singletons (torch.float32 is the one float32 object): identity and equality agree",
     ),
     *(
-        Equivalent("overlapddp/bucket_storage.py", change,
+        Equivalent("overlapddp/bucket/storage.py", change,
                    "the flat buffer is one-dimensional: dimension -1 is dimension 0")
         for change in (
             "self.buffer = self.padded.narrow(0, 0, total) if padding else self.padded => "
@@ -760,14 +760,14 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         )
     ),
     Equivalent(
-        "overlapddp/bucket_storage.py",
+        "overlapddp/bucket/storage.py",
         "if size == 1: => if size <= 1:",
         "it differs only for a tensor with a dimension of size 0, which has no elements: its view and its "
         "gradient are empty either way, and the gradient's strides are DDP's either way (shapes (4, 0), "
         "(0, 4) and three permuted empty ones, with and without gradient_as_bucket_view)",
     ),
     *(
-        Equivalent("overlapddp/bucket_storage.py", change,
+        Equivalent("overlapddp/bucket/storage.py", change,
                    "the line before already asks for the view's own address: a gradient there whose storage is "
                    "not the buffer's would be a second storage over the buffer's memory, which torch's "
                    "allocator never makes (and two data_ptr() calls return distinct int objects, so 'is not' "
@@ -780,7 +780,7 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         )
     ),
     Equivalent(
-        "overlapddp/bucket_storage.py",
+        "overlapddp/bucket/storage.py",
         "and grad.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr() => "
         "and grad.untyped_storage().data_ptr() >= self.buffer.untyped_storage().data_ptr()",
         "the line before already asks for the view's own address: a gradient there whose storage starts "
@@ -793,13 +793,13 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "a fence records only 'backward end' and the four bucket edges, each of which sorts after it",
     ),
     Equivalent(
-        "overlapddp/shard_layout.py",
+        "overlapddp/shard/layout.py",
         "elif length == 0 and _owner_of_empty(offset, size, world_size) == rank: => "
         "elif length <= 0 and _owner_of_empty(offset, size, world_size) == rank:",
         "lengths are parameters' numel(), never negative",
     ),
     Equivalent(
-        "overlapddp/shard_layout.py",
+        "overlapddp/shard/layout.py",
         "elif length == 0 and _owner_of_empty(offset, size, world_size) == rank: => "
         "elif length >= 0 and _owner_of_empty(offset, size, world_size) == rank:",
         "a parameter with elements reaches this branch only when it misses this rank's shard, so it does not "
@@ -866,82 +866,82 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "the default goes through max(khz, 2_000_000) on the next line, which lifts 1999999 to 2_000_000",
     ),
     Equivalent(
-        "overlapddp/optimizer_overlap.py",
+        "overlapddp/optim/overlap.py",
         "if self._reducer.reductions == self._stepped_at: => if self._reducer.reductions <= self._stepped_at:",
         "the reducer's count only grows and _stepped_at is set from it, so it is never above the count",
     ),
     Equivalent(
-        "overlapddp/optimizer_overlap.py",
+        "overlapddp/optim/overlap.py",
         "changed = [i for i, (grad, version) in enumerate(self._versions) if grad._version != version] => "
         "changed = [i for i, (grad, version) in enumerate(self._versions) if grad._version > version]",
         "a tensor's version counter only grows, so a version that differs is a larger one",
     ),
     Equivalent(
-        "overlapddp/optimizer_overlap.py",
+        "overlapddp/optim/overlap.py",
         "first_device = norms[0].device => first_device = norms[ -1].device",
         "mixed device types are refused at construction: every norm is on devices of one type, where the "
         "stacked norm is the same kernel on any of them",
     ),
     Equivalent(
-        "overlapddp/optimizer_overlap.py",
+        "overlapddp/optim/overlap.py",
         "for p, norm in zip(grads, foreach_norm([p.grad for p in grads], self.norm_type), strict=True): => "
         "for p, norm in zip(grads, foreach_norm([p.grad for p in grads], self.norm_type), strict=False):",
         "foreach_norm returns one norm per tensor it is given: the lengths are equal",
     ),
     Equivalent(
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         "for piece, view, reduced in zip(state.shard.pieces, state.pieces, state.reduced_pieces(self.rank), strict=True): => "
         "for piece, view, reduced in zip(state.shard.pieces, state.pieces, state.reduced_pieces(self.rank), strict=False):",
         "pieces and reduced_pieces are both built one per shard.pieces entry: the lengths are equal",
     ),
     Equivalent(
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         "first = self._params[self._plan.buckets[shard.bucket][0]] => "
         "first = self._params[self._plan.buckets[shard.bucket][ -1]]",
         "a bucket holds parameters of one dtype and device (the plan splits buckets by both), and only those "
         "two are read from it",
     ),
     Equivalent(
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         "for packed, group in zip(packed_groups, ours, strict=True): => for packed, group in []:",
         "the inner groups' settings are read only by _update, which mirrors the user's groups into them "
         "first; at load they decide only where a 'step' tensor lives (capturable; fused is refused), not its value",
     ),
     Equivalent(
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         "if self._reducer.reductions == self._stepped_at: => if self._reducer.reductions <= self._stepped_at:",
         "the reducer's count only grows and _stepped_at is set from it, so it is never above the count",
     ),
     Equivalent(
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         "for group, saved in zip(ours, groups, strict=True): => for group, saved in zip(ours, groups, strict=False):",
         "install gets as many groups as the optimizer has: load_state_dict refuses other group sizes first, a "
         "relayout passes packed_groups(), and a DCP load fills a packed_groups() template",
     ),
     Equivalent(
-        "overlapddp/optimizer_overlap.py",
+        "overlapddp/optim/overlap.py",
         "for group, group_params in zip(groups, everything, strict=True): => "
         "for group, group_params in zip(groups, everything, strict=False):",
         "everything is built from groups one entry per group, two lines above",
     ),
     Equivalent(
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         "for key, value in parts[0][1].items(): => for key, value in parts[ -1][1].items():",
         "every part has the same keys (checked above); a per-parameter value (Adam's step) is the same in every "
         "piece, each updated once per step, and of a per-element one only its dtype and device are read",
     ),
     Equivalent(
-        "overlapddp/optimizer_overlap.py",
+        "overlapddp/optim/overlap.py",
         "if self._reducer.reductions == self._stepped_at: => if self._reducer.reductions is self._stepped_at:",
         STEPPED_AT_ALIASES,
     ),
     Equivalent(
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         "if self._reducer.reductions == self._stepped_at: => if self._reducer.reductions is self._stepped_at:",
         STEPPED_AT_ALIASES,
     ),
     Equivalent(
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         "return memory_flat(tensor).narrow(0, piece.start, piece.length) => "
         "return memory_flat(tensor).narrow( -1, piece.start, piece.length)",
         "memory_flat returns a 1-D view: its dim -1 is dim 0",
@@ -958,18 +958,18 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "the combination rules run after bucket_plan is checked against BUCKET_PLANS, and 'ddp' sorts before 'tuned'",
     ),
     Equivalent(
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         "if self._reducer.plan is self._plan: => if self._reducer.plan == self._plan:",
         "an equal plan has the same buckets: the relayout it skips would rebuild the same shards and move the "
         "state into the same places",
     ),
     Equivalent(
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         "device = self._params[0].device => device = self._params[ -1].device",
         "a module on more than one device is refused at construction: every reduced parameter is on one device",
     ),
     Equivalent(
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         "shard = cast(torch.Tensor, self.buffer).narrow(0, rank * self.shard.shard_length, self.shard.shard_length) => "
         "shard = cast(torch.Tensor, self.buffer).narrow( -1, rank * self.shard.shard_length, self.shard.shard_length)",
         "a bucket's buffer is 1-D: its dim -1 is dim 0",
@@ -1059,81 +1059,81 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "neither a GraphSplitter nor an nn.Module defines __eq__: != is identity",
     ),
     Equivalent(
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         'for packed, group in zip(packed_groups, ours, strict=True): => for packed, group in zip(packed_groups, ours, strict=False):',
         "each shard's inner optimizer is built with one group per group of the user's optimizer (_bucket_state), and add_param_group is refused once attached: the lengths are equal, so strict never fires",
     ),
     Equivalent(
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         'for inner_group, group in zip(state.inner.param_groups, self.optimizer.param_groups, strict=True): => for inner_group, group in zip(state.inner.param_groups, self.optimizer.param_groups, strict=False):',
         "each shard's inner optimizer is built with one group per group of the user's optimizer (_bucket_state), and add_param_group is refused once attached: the lengths are equal, so strict never fires",
     ),
     Equivalent(
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         'if TYPE_CHECKING: => if not TYPE_CHECKING:',
         "the guarded import names types used only in annotations, which this module never evaluates (from __future__ "
         "import annotations); importing them at run time binds names nothing reads, and the suite imports the package whole",
     ),
     Equivalent(
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         'zip(members, shard.offsets, strict=True)], => zip(members, shard.offsets, strict=False)],',
         "plan_shards gives a bucket one offset per member: the lengths are equal, so strict never fires",
     ),
     Equivalent(
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         '[gathered.narrow(0, offset, self._params[i].numel()) for i, offset in => [gathered.narrow( -1, offset, self._params[i].numel()) for i, offset in',
         "the tensor narrowed is a flat 1-D buffer: its dim -1 is dim 0",
     ),
     Equivalent(
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         'pieces = [params.narrow(0, piece.shard_offset, piece.length) for piece in shard.pieces] => pieces = [params.narrow( -1, piece.shard_offset, piece.length) for piece in shard.pieces]',
         "the tensor narrowed is a flat 1-D buffer: its dim -1 is dim 0",
     ),
     Equivalent(
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         'return [shard.narrow(0, piece.shard_offset, piece.length) for piece in self.shard.pieces] => return [shard.narrow( -1, piece.shard_offset, piece.length) for piece in self.shard.pieces]',
         "the tensor narrowed is a flat 1-D buffer: its dim -1 is dim 0",
     ),
     Equivalent(
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         'if self._reducer.plan is not self._plan and self._reducer.plan.buckets != self._plan.buckets: => if self._reducer.plan != self._plan and self._reducer.plan.buckets != self._plan.buckets:',
         "the second test compares the buckets, and BucketPlan equality compares them too: two plans with different "
         "buckets are neither identical nor equal, so the error fires in the same cases",
     ),
     Equivalent(
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         'for piece, view in zip(shard.pieces, pieces, strict=True): => for piece, view in zip(shard.pieces, pieces, strict=False):',
         "the views are cut from the shard's pieces one for one (_bucket_state): the lengths are equal, so strict never fires",
     ),
     Equivalent(
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         'piece_of = {id(view): piece for piece, view in zip(state.shard.pieces, state.pieces, strict=True)} => piece_of = {id(view): piece for piece, view in zip(state.shard.pieces, state.pieces, strict=False)}',
         "the views are cut from the shard's pieces one for one (_bucket_state): the lengths are equal, so strict never fires",
     ),
     Equivalent(
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         'return [(piece, dict(entry)) for piece, view in zip(state.shard.pieces, state.pieces, strict=True) => return [(piece, dict(entry)) for piece, view in zip(state.shard.pieces, state.pieces, strict=False)',
         "the views are cut from the shard's pieces one for one (_bucket_state): the lengths are equal, so strict never fires",
     ),
     Equivalent(
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         'index = next(i for i, (a, b) in enumerate(zip(now, built, strict=False)) if a != b) => index = next(i for i, (a, b) in enumerate(zip(now, built, strict=True)) if a != b)',
         "two layouts of the same parameters that differ differ at an index below both lengths (the docstring's "
         "argument): next() stops there, before zip could reach the shorter one's end",
     ),
     Equivalent(
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         'self._holds_state = False  # whether any shard has optimizer state (equal on every rank) => self._holds_state = True  # whether any shard has optimizer state (equal on every rank)',
         "set on every rank alike, it makes a relayout before the first step move state that no shard has: the move "
         "finds no entries, installs the optimizer's own settings and an empty state, and costs one collective more",
     ),
     Equivalent(
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         'if covered != target.numel() or any(entry.keys() != parts[0][1].keys() for _, entry in parts): => if covered != target.numel() or any(entry.keys() != parts[ -1][1].keys() for _, entry in parts):',
         "every entry is compared with one of them: all keys equal the first's exactly when all equal the last's",
     ),
     Equivalent(
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         'device = self._buckets[0].params.device => device = self._buckets[ -1].params.device',
         "a module on more than one device is refused at construction: every shard is on one device",
     ),
@@ -1315,7 +1315,7 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "overlapddp/reducer.py",
         "self._shared.write_watch.watchers += 1 if watching else -1 => "
         "self._shared.write_watch.watchers += 1 if not watching else -1",
-        "the watcher count is read only as zero or not (bucket_pipeline.py); negating every step negates the "
+        "the watcher count is read only as zero or not (bucket/pipeline.py); negating every step negates the "
         "count, which is zero exactly when it was",
     ),
     Equivalent(
@@ -1394,7 +1394,7 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         _ONE_TRAINABLE_DEVICE,
     ),
     Equivalent(
-        "overlapddp/shard_checks.py",
+        "overlapddp/shard/checks.py",
         "odd = [name for p, name in zip(request.params, request.names, strict=True) => "
         "odd = [name for p, name in zip(request.params, request.names, strict=False)",
         "params and names are one request's, built together: equal lengths, so strict never "

@@ -35,34 +35,34 @@ SAMPLE: tuple[Sampled, ...] = (
         OPTIONS,
     ),
     Sampled(
-        "overlapddp/comm_hook_validation.py",
+        "overlapddp/bucket/comm_hook_validation.py",
         "core/ReplaceUnaryOperator_Delete_Not",
         "if not callable(hook): => if  callable(hook):",
         VALIDATION,
     ),
     Sampled(
-        "overlapddp/comm_hook_validation.py",
+        "overlapddp/bucket/comm_hook_validation.py",
         "core/ReplaceComparisonOperator_IsNot_Is",
         "if returned is not inspect.Signature.empty and returned not in ( "
         "=> if returned is inspect.Signature.empty and returned not in (",
         VALIDATION,
     ),
     Sampled(
-        "overlapddp/comm_hook_validation.py",
+        "overlapddp/bucket/comm_hook_validation.py",
         "core/ReplaceComparisonOperator_Eq_Is",
         "if comm_hook_type == dist.BuiltinCommHookType.FP16_COMPRESS: "
         "=> if comm_hook_type is dist.BuiltinCommHookType.FP16_COMPRESS:",
         VALIDATION,
     ),
     Sampled(
-        "overlapddp/comm_hook.py",
+        "overlapddp/bucket/comm_hook.py",
         "core/ReplaceComparisonOperator_Is_Eq",
         'return hook in UNCHAINED_HOOKS or getattr(hook, "issues_one_collective", False) is True '
         '=> return hook in UNCHAINED_HOOKS or getattr(hook, "issues_one_collective", False) == True',
         BUCKET,
     ),
     Sampled(
-        "overlapddp/comm_hook.py",
+        "overlapddp/bucket/comm_hook.py",
         "core/NumberReplacer",
         "self._buffer.narrow(0, off, length).view(param.shape) => self._buffer.narrow( 1, off, length).view(param.shape)",  # noqa: E501 (the line as cosmic-ray changes it)
         BUCKET,

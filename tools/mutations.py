@@ -70,7 +70,7 @@ MUTATIONS = (
     Mutation(
         "ready_order_not_broadcast",
         "each rank rebuilds its buckets from its own gradient-ready order, not rank 0's",
-        "overlapddp/layout_lifecycle.py",
+        "overlapddp/layout/lifecycle.py",
         "            broadcast_from(order, 0, process_group)\n",
         "",
         (f"{READY_ORDER}[rank_ordered-sgd-cap0.001-3]", f"{READY_VALUES}[rank_ordered-sgd-cap0.001-3]"),
@@ -78,7 +78,7 @@ MUTATIONS = (
     Mutation(
         "rebuild_skipped",
         "the ready order is recorded and broadcast, but the buckets are never rebuilt from it",
-        "overlapddp/layout_lifecycle.py",
+        "overlapddp/layout/lifecycle.py",
         "            adopt(rebuilt_plan(self._params, self._sparse_gradient, self._caps, self._rebuilt_from))",
         "            pass",
         (f"{READY_ORDER}[rank_ordered-sgd-cap0.001-2]",),
@@ -86,7 +86,7 @@ MUTATIONS = (
     Mutation(
         "scaling_skipped",
         "gradients enter the buckets unscaled: the reduction sums instead of averaging",
-        "overlapddp/bucket_storage.py",
+        "overlapddp/bucket/storage.py",
         "                if multiply_by is not None:\n                    self.buffer.mul_(multiply_by)",
         "                pass",
         (f"{READY_VALUES}[rank_ordered-sgd-cap0.001-2]",),
@@ -94,7 +94,7 @@ MUTATIONS = (
     Mutation(
         "copy_out_skipped",
         "the reduced values are never copied into param.grad (each rank steps on its local gradient)",
-        "overlapddp/bucket_storage.py",
+        "overlapddp/bucket/storage.py",
         "                foreach_copy_([self.params[i].grad for i in chosen], reduced)",
         "                pass",
         (f"{READY_VALUES}[rank_ordered-sgd-cap0.001-2]",),
@@ -111,7 +111,7 @@ MUTATIONS = (
     Mutation(
         "launch_before_copy_in",
         "a complete bucket's collective starts before its gradients are copied into its buffer",
-        "overlapddp/bucket_pipeline.py",
+        "overlapddp/bucket/pipeline.py",
         "        shared.fence.filling(self.index)\n"
         "        shared.reduction.copy_in(self.storage)\n",
         "        shared.fence.filling(self.index)\n"
@@ -123,7 +123,7 @@ MUTATIONS = (
     Mutation(
         "hook_chaining_dropped",
         "each bucket's comm hook starts as soon as the bucket is ready, not after the previous hook chain",
-        "overlapddp/bucket_reduction.py",
+        "overlapddp/bucket/reduction.py",
         "        after = self._hook_future if chained else None",
         "        after = None",
         ("tests/test_comm_hooks.py::test_hook_chains_run_one_bucket_at_a_time",),
@@ -131,7 +131,7 @@ MUTATIONS = (
     Mutation(
         "no_sync_guard_weakened",
         "the guard refuses no_sync gradients only when no reduction ran since the last step",
-        "overlapddp/optimizer_guard.py",
+        "overlapddp/optim/guard.py",
         "        if self._reducer.local_gradients_since_reduction:",
         "        if self._reducer.local_gradients_since_reduction and self._reducer.reductions == self._stepped_at:",
         (f"{GUARD}[first_step_after_synchronized_then_no_sync-accumulated under no_sync()]",),
@@ -139,7 +139,7 @@ MUTATIONS = (
     Mutation(
         "guard_in_flight_check_removed",
         "step() may read gradients while their buckets are still being reduced",
-        "overlapddp/optimizer_guard.py",
+        "overlapddp/optim/guard.py",
         '        """Raise unless ``action`` may read the gradients now."""\n        busy = self._reducer.unfinished_buckets()',
         '        """Raise unless ``action`` may read the gradients now."""\n        busy = []',
         (f"{GUARD}[step_during_backward-are still being reduced]",),
@@ -147,7 +147,7 @@ MUTATIONS = (
     Mutation(
         "guard_stale_check_removed",
         "a second step() reuses the gradients the previous step already used",
-        "overlapddp/optimizer_guard.py",
+        "overlapddp/optim/guard.py",
         "        if self._reducer.reductions == self._stepped_at:\n            raise RuntimeError(\n"
         '                f"{action} would read stale',
         "        if False:\n            raise RuntimeError(\n"
@@ -157,7 +157,7 @@ MUTATIONS = (
     Mutation(
         "write_during_reduction_unchecked",
         "a gradient changed while its bucket was reduced (clip inside backward) is silently overwritten",
-        "overlapddp/bucket_pipeline.py",
+        "overlapddp/bucket/pipeline.py",
         "            shared.write_watch.check(self.index)\n",
         "",
         (f"{GUARD}[clip_during_backward-were changed on rank]",),
@@ -206,7 +206,7 @@ MUTATIONS = (
     Mutation(
         "join_divides_by_initial_world_size",
         "under Join, gradients are averaged over all ranks even when told to count the remaining ones",
-        "overlapddp/bucket_reduction.py",
+        "overlapddp/bucket/reduction.py",
         "        self._training_ranks_work = None if divide_by_initial_world_size else work",
         "        self._training_ranks_work = None",
         (JOIN_WS2,),
@@ -214,7 +214,7 @@ MUTATIONS = (
     Mutation(
         "ignored_params_not_stepped",
         "overlap=True without clipping or scaling never updates parameters the wrapper ignores",
-        "overlapddp/optimizer_overlap.py",
+        "overlapddp/optim/overlap.py",
         "            if outside:\n                self._update_bucket(outside)",
         "            pass",
         (f"{OVERLAP}::test_overlapped_updates_step_ignored_parameters_too_bit_equal_to_ddp_then_step",),
@@ -222,7 +222,7 @@ MUTATIONS = (
     Mutation(
         "overlapped_update_before_copy_out",
         "overlap=True updates a bucket's parameters before its reduced gradients are written",
-        "overlapddp/bucket_pipeline.py",
+        "overlapddp/bucket/pipeline.py",
         "            self.storage.copy_out(result, write, as_view=shared.gradient_as_bucket_view)\n"
         "            written = [p.grad for p in self.storage.params if p.grad is not None]\n"
         '            shared.fence.consumed(self.index, "copy to param.grad", written)\n'
@@ -238,7 +238,7 @@ MUTATIONS = (
     Mutation(
         "overlapped_updates_ignore_the_scaler",
         "overlap=True with a GradScaler updates each bucket before the scaler has seen every gradient",
-        "overlapddp/optimizer_overlap.py",
+        "overlapddp/optim/overlap.py",
         "        return self.max_grad_norm is not None or self._unscaler is not None",
         "        return self.max_grad_norm is not None",
         (f"{OVERLAP}::test_overlapped_loss_scaling_is_bit_equal_to_unscale_clip_then_scaler_step[None]",),
@@ -263,7 +263,7 @@ MUTATIONS = (
     Mutation(
         "guard_in_place_zero_grad_unchecked",
         "zero_grad(set_to_none=False) during backward zeroes the buckets being reduced (gradient_as_bucket_view)",
-        "overlapddp/optimizer_guard.py",
+        "overlapddp/optim/guard.py",
         "    def _zero_grad(self, *args: Any, **kwargs: Any) -> Any:\n        busy = self._reducer.unfinished_buckets()\n",
         "    def _zero_grad(self, *args: Any, **kwargs: Any) -> Any:\n"
         '        busy = self._reducer.unfinished_buckets() if kwargs.get("set_to_none", True) else []\n',
@@ -296,7 +296,7 @@ MUTATIONS = (
     Mutation(
         "hook_aliased_grads_divided",
         "gradient_as_bucket_view with a comm hook: kept gradients are divided by the reducer and the hook",
-        "overlapddp/bucket_reduction.py",
+        "overlapddp/bucket/reduction.py",
         "            alias_divide_by=self._divide_by if no_hook and not batched else None,\n",
         "            alias_divide_by=self._divide_by if not batched else None,\n",
         (f"{HOOK_VALUES}[cnn_bn-sgd-cap0.001-gradient_as_bucket_view=True-hook=allreduce-keep_grads-2]",),
@@ -304,7 +304,7 @@ MUTATIONS = (
     Mutation(
         "hook_result_not_copied_into_views",
         "gradient_as_bucket_view: a hook's result that is another tensor (fp16 compression) never reaches the views",
-        "overlapddp/bucket_storage.py",
+        "overlapddp/bucket/storage.py",
         "                if result is not self.buffer and chosen:\n"
         "                    foreach_copy_([self.views[i] for i in chosen], reduced)\n",
         "",
@@ -362,7 +362,7 @@ MUTATIONS = (
     Mutation(
         "token_count_not_reset",
         "count_tokens: the local count is not reset after its all-reduce (later steps divide by a growing total)",
-        "overlapddp/token_weighting.py",
+        "overlapddp/bucket/token_weighting.py",
         "                self._copied.record(self._stream)\n        self.local = 0\n",
         "                self._copied.record(self._stream)\n",
         (f"{TOKENS_EXACT}[2]",),
@@ -370,7 +370,7 @@ MUTATIONS = (
     Mutation(
         "token_weighting_divides_twice_when_batched",
         "count_tokens with batched_grad_copy: each bucket is multiplied by 1/N while copied and divided by N",
-        "overlapddp/bucket_reduction.py",
+        "overlapddp/bucket/reduction.py",
         "            self._scale = None if batched else 1.0 / self._divide_by\n",
         "            self._scale = 1.0 / self._divide_by\n",
         (f"{TOKENS_EXACT}[2]",),
@@ -387,7 +387,7 @@ MUTATIONS = (
     Mutation(
         "find_unused_starts_in_one_bucket",
         "find_unused_parameters=True starts in one bucket as static_graph does (DDP: cap-sized, never rebuilt)",
-        "overlapddp/bucket_plan.py",
+        "overlapddp/layout/plan.py",
         "        if not searches_unused_each_forward:\n            return [sys.maxsize]\n",
         "        return [sys.maxsize]\n",
         (f"{LOOPS}[3]",),
@@ -395,7 +395,7 @@ MUTATIONS = (
     Mutation(
         "static_graph_unused_prepended",
         "static_graph: the parameters that never fired go first in the rebuilt ready order (DDP appends them)",
-        "overlapddp/layout_lifecycle.py",
+        "overlapddp/layout/lifecycle.py",
         "            self._ready_order += list(unused)\n",
         "            self._ready_order = list(unused) + self._ready_order\n",
         (f"{LOOPS}[2]",),
@@ -435,7 +435,7 @@ MUTATIONS = (
     Mutation(
         "shard_gathers_not_waited_at_forward",
         "sharded optimizer: the next forward runs before the updated parameters' all-gathers completed",
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         "        self.gather_parameters()\n        self._relayout_if_replanned()\n",
         "        self._relayout_if_replanned()\n",
         (SHARDED_WS2,),
@@ -443,7 +443,7 @@ MUTATIONS = (
     Mutation(
         "shard_clip_norm_local_only",
         "sharded clipping: each rank clips with the norm of its own pieces, not the global norm",
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         "        dist.all_reduce(local, group=self._group)\n",
         "",
         (SHARDED_WS2,),
@@ -451,7 +451,7 @@ MUTATIONS = (
     Mutation(
         "shard_settings_not_mirrored",
         "sharded optimizer: the shards keep the settings they were built with; an LR scheduler's change is lost",
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         "                    inner_group.update(_hyperparameters(group))\n",
         "                    pass\n",
         (SHARDED_WS2,),
@@ -459,7 +459,7 @@ MUTATIONS = (
     Mutation(
         "shard_unused_gets_zero_gradient",
         "sharded optimizer: a parameter no rank used gets the zero shard instead of no gradient (Adam steps it)",
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         "        if written:\n            return reduced\n",
         "        return reduced\n",
         (SHARDED_WS2,),
@@ -467,7 +467,7 @@ MUTATIONS = (
     Mutation(
         "shard_clipping_state_kept_after_abandon",
         "sharded clipping: a dropped iteration's buckets and norm shares are kept into the next backward",
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         "        self._waiting, self._squares = [], []\n",
         "        pass\n",
         ("tests/test_sharded_optimizer.py::test_an_iteration_dropped_mid_reduction_leaves_no_clipping_state_behind",),
@@ -475,7 +475,7 @@ MUTATIONS = (
     Mutation(
         "shard_gather_failure_unnamed",
         "sharded optimizer: a failed all-gather raises gloo's bare error, naming no bucket or rank behind",
-        "overlapddp/sharded_optimizer.py",
+        "overlapddp/shard/optimizer.py",
         "                raise self._gather_failed(index, error) from error\n",
         "                raise\n",
         ("tests/test_reliability.py::test_survivors_of_a_rank_dead_before_its_all_gathers_raise_naming_the_bucket_and_the_rank",),
@@ -483,7 +483,7 @@ MUTATIONS = (
     Mutation(
         "shard_relayout_piece_from_slot_start",
         "sharded optimizer: after DDP's bucket rebuild each new piece's state is copied from its parameter's start",
-        "overlapddp/shard_relayout.py",
+        "overlapddp/shard/relayout.py",
         "                    start = bucket.shard.offsets[slot] + new.start\n",
         "                    start = bucket.shard.offsets[slot]\n",
         (SHARDED_WS2,),
@@ -491,7 +491,7 @@ MUTATIONS = (
     Mutation(
         "shard_checkpoint_piece_at_shard_offset",
         "sharded DCP checkpoint: each piece saved at its offset in the rank's shard, not in its parameter",
-        "overlapddp/sharded_checkpoint.py",
+        "overlapddp/shard/checkpoint.py",
         "ShardMetadata([piece.start], [piece.length]",
         "ShardMetadata([piece.shard_offset], [piece.length]",
         (SHARDED_WS3,),

@@ -41,11 +41,11 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torchft.manager import Manager
 
-from overlapddp.comm_hook import CommHook
+from overlapddp.bucket.comm_hook import CommHook
 from overlapddp.device_streams import CudaKit
-from overlapddp.optimizer_guard import OptimizerGuard
-from overlapddp.optimizer_overlap import OverlappedOptimizer
-from overlapddp.sharded_optimizer import ShardedOptimizer
+from overlapddp.optim.guard import OptimizerGuard
+from overlapddp.optim.overlap import OverlappedOptimizer
+from overlapddp.shard.optimizer import ShardedOptimizer
 from overlapddp.wrapper import OverlapDDP
 
 # The arguments this wrapper refuses, and why: each would reduce across replicas outside the

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
-from overlapddp.tuning import tuner
-from overlapddp.tuning.clock import CudaClock, clock_for
+from overlapddp.clock import CudaClock, clock_for
+from overlapddp.layout import tuner
 from tests import models
 from tests.gpu.scenarios import BACKENDS, group_for, world_size_of
 from tests.multiprocess import run_ranks

@@ -25,9 +25,9 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from overlapddp import OverlapDDP
+from overlapddp.clock import CudaClock
 from overlapddp.device_streams import CudaKit
 from overlapddp.fence import CudaFence
-from overlapddp.tuning.clock import CudaClock
 from tests.streams.backends import TorchftWork, simulate
 from tests.streams.sim import Sim
 

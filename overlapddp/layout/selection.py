@@ -39,9 +39,9 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from overlapddp.bucket_plan import MIB, BucketCaps, BucketPlan, rebuilt_plan
+from overlapddp.clock import HostClock, Stamp
+from overlapddp.layout.plan import MIB, BucketCaps, BucketPlan, rebuilt_plan
 from overlapddp.module_sync import broadcast_from
-from overlapddp.tuning.clock import HostClock, Stamp
 
 SCREENING_ITERATIONS = 2  # enough to drop a layout that is clearly slower
 FINALISTS = 2

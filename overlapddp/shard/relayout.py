@@ -17,8 +17,8 @@ from typing import Any, Sequence, cast
 import torch
 import torch.distributed as dist
 
-from overlapddp.shard_collectives import gather_shards
-from overlapddp.shard_layout import BucketShard, Piece
+from overlapddp.shard.collectives import gather_shards
+from overlapddp.shard.layout import BucketShard, Piece
 
 
 @dataclass(frozen=True)

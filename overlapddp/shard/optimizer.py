@@ -4,9 +4,9 @@ updated parameters are all-gathered, and the numbers stay DDP's.
 Attached with ``OverlapDDP.attach_optimizer(optimizer, shard=True)``. Per bucket and iteration:
 
 1. *backward*: the bucket is filled exactly as for DDP (each gradient times ``1 / world_size``
-   while copying), padded with zeros to a multiple of the world size (shard_layout.py), and
+   while copying), padded with zeros to a multiple of the world size (shard/layout.py), and
    reduce-scattered (SUM) in place, launched when the bucket is complete: this rank's shard is its
-   slice of the bucket's buffer (over gloo, the same bits from an all-reduce: shard_collectives.py).
+   slice of the bucket's buffer (over gloo, the same bits from an all-reduce: shard/collectives.py).
 2. *end of backward* (the reducer's finalize, bucket by bucket as each completes): this rank's
    pieces of the parameters, views of a flat parameter shard refreshed from the parameters, are
    updated by an optimizer of the user's class with the user's hyperparameters (mirrored before
@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 import torch
 import torch.distributed as dist
 
-from overlapddp.bucket_plan import BucketPlan
-from overlapddp.comm_hook import Bucket
+from overlapddp.bucket.comm_hook import Bucket
+from overlapddp.layout.plan import BucketPlan
 from overlapddp.reducer import Reducer
-from overlapddp.shard_checks import ELEMENTWISE_STATE
-from overlapddp.shard_collectives import gather_shards, reduce_to_shard
-from overlapddp.shard_layout import BucketShard, Piece, plan_shards
-from overlapddp.shard_relayout import HeldShard, moved_state
+from overlapddp.shard.checks import ELEMENTWISE_STATE
+from overlapddp.shard.collectives import gather_shards, reduce_to_shard
+from overlapddp.shard.layout import BucketShard, Piece, plan_shards
+from overlapddp.shard.relayout import HeldShard, moved_state
 from overlapddp.torch_compat import foreach_copy_
 
 if TYPE_CHECKING:
@@ -111,7 +111,7 @@ class ShardedOptimizer:
         self.gather_start: Callable[[torch.Tensor, torch.Tensor], Any] = functools.partial(
             gather_shards, group=self._group, backend=backend
         )
-        self._backend = backend  # which collectives reduce and gather a shard (shard_collectives.py)
+        self._backend = backend  # which collectives reduce and gather a shard (shard/collectives.py)
         self._holds_state = False  # whether any shard has optimizer state (equal on every rank)
         self._stepped_at = 0  # reducer.reductions that the user's step() has acknowledged
         # Refuses before anything is rebound.
@@ -152,7 +152,7 @@ class ShardedOptimizer:
 
     def _relayout_if_replanned(self) -> None:
         """The reducer changed its buckets (DDP's rebuild after the first iteration, a restored layout):
-        move the state into the new shards (shard_relayout.py)."""
+        move the state into the new shards (shard/relayout.py)."""
         if self._reducer.plan is self._plan:
             return
         held = [HeldShard(state.shard, self._plan.buckets[state.shard.bucket], self._entries(state))

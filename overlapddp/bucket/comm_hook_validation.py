@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from overlapddp.comm_hook import Bucket, CommHook
+from overlapddp.bucket.comm_hook import Bucket, CommHook
 
 
 class CommHookSignatureError(TypeError, KeyError):

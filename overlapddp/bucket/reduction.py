@@ -15,10 +15,10 @@ from typing import Any, Callable, cast
 import torch
 import torch.distributed as dist
 
-from overlapddp.bucket_storage import BucketStorage
-from overlapddp.comm_hook import Bucket, CommHook, is_unchained, run_hook
-from overlapddp.sparse_reduction import SparseBucketStorage
-from overlapddp.token_weighting import TokenCount
+from overlapddp.bucket.comm_hook import Bucket, CommHook, is_unchained, run_hook
+from overlapddp.bucket.sparse_storage import SparseBucketStorage
+from overlapddp.bucket.storage import BucketStorage
+from overlapddp.bucket.token_weighting import TokenCount
 
 
 class BucketReduction:
@@ -43,7 +43,7 @@ class BucketReduction:
         self._shard_start: Callable[[Bucket], torch.futures.Future] | None = None
 
     def enable_token_weighting(self, device: torch.device) -> TokenCount:
-        """Divide by the global token count instead of the world size (see token_weighting.py)."""
+        """Divide by the global token count instead of the world size (see bucket/token_weighting.py)."""
         if self.comm_hook is not None:
             raise RuntimeError(
                 f"count_tokens cannot be combined with the communication hook {self.hook_name}: the hook reduces "
@@ -140,7 +140,7 @@ class BucketReduction:
             return dist.all_reduce(bucket.buffer(), group=self.process_group, async_op=True).get_future()
         state, hook = self.comm_hook
         # Hook chains run one bucket at a time, see [Note: one hook chain at a time] in
-        # comm_hook.py: bucket b's hook starts once bucket b-1's future (kept here from the
+        # bucket/comm_hook.py: bucket b's hook starts once bucket b-1's future (kept here from the
         # previous start of this iteration; finalize consumes it through the fence) is done.
         chained = bucket.index() > 0 and not is_unchained(hook)
         after = self._hook_future if chained else None

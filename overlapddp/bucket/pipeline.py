@@ -20,16 +20,16 @@ from typing import TYPE_CHECKING, Callable, Sequence, cast
 
 import torch
 
-from overlapddp.bucket_reduction import BucketReduction
-from overlapddp.bucket_storage import BucketStorage
-from overlapddp.comm_hook import Bucket
+from overlapddp.bucket.comm_hook import Bucket
+from overlapddp.bucket.gradient_checks import GradientWriteWatch, nonfinite_error
+from overlapddp.bucket.reduction import BucketReduction
+from overlapddp.bucket.sparse_storage import SparseBucketStorage
+from overlapddp.bucket.storage import BucketStorage
 from overlapddp.fence import Fence
-from overlapddp.gradient_checks import GradientWriteWatch, nonfinite_error
 from overlapddp.progress import ProgressRecord
-from overlapddp.sparse_reduction import SparseBucketStorage
 
 if TYPE_CHECKING:
-    from overlapddp.tuning.tuner import PlanTuner
+    from overlapddp.layout.tuner import PlanTuner
 
 
 @dataclass

@@ -31,7 +31,7 @@ from typing import Sequence
 
 import torch
 
-from overlapddp.bucket_plan import BucketPlan, explicit_plan
+from overlapddp.layout.plan import BucketPlan, explicit_plan
 
 MAX_BUCKET_TENSORS = 256
 # Layouts kept per prefix (see tuned_plan): enough for the optimum on every brute-forced case in the

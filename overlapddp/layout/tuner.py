@@ -25,11 +25,11 @@ from typing import Callable, Sequence, cast
 import torch
 import torch.distributed as dist
 
-from overlapddp.bucket_plan import BucketPlan, explicit_plan
+from overlapddp.clock import Stamp, clock_for
+from overlapddp.layout.cost_model import BucketTiming, fit_finalize, fit_link, tuned_plan
+from overlapddp.layout.plan import BucketPlan, explicit_plan
+from overlapddp.layout.selection import MAX_SELECTION_ITERATIONS, PlanSelection, candidate_layouts
 from overlapddp.module_sync import broadcast_from
-from overlapddp.tuning.clock import Stamp, clock_for
-from overlapddp.tuning.cost_model import BucketTiming, fit_finalize, fit_link, tuned_plan
-from overlapddp.tuning.selection import MAX_SELECTION_ITERATIONS, PlanSelection, candidate_layouts
 
 CALIBRATION_ITERATIONS = 2  # measured synchronized iterations after DDP's rebuild
 # Synchronized iterations after DDP's rebuild until the layout is final, at the latest.

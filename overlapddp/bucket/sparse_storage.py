@@ -2,13 +2,13 @@
 
 ``nn.Embedding(sparse=True)`` and ``nn.EmbeddingBag(sparse=True)`` produce sparse COO gradients, which
 cannot share a flat buffer. As in DDP (``shared/reference/ddp_semantics.md`` section 1.2), each such
-parameter is alone in its bucket (``bucket_plan.py`` gives it no size limit), the bucket's buffer is the
+parameter is alone in its bucket (``layout/plan.py`` gives it no size limit), the bucket's buffer is the
 gradient tensor itself, divided in place by the world size when no communication hook is registered,
 the collective is a sparse all-reduce, and the reduced value is copied back into that same tensor
 (``param.grad`` keeps its identity). ``gradient_as_bucket_view`` changes nothing here: the gradient
 already is the bucket.
 
-:class:`SparseBucketStorage` has :class:`~overlapddp.bucket_storage.BucketStorage`'s interface, so
+:class:`SparseBucketStorage` has :class:`~overlapddp.bucket.storage.BucketStorage`'s interface, so
 the reducer drives both alike.
 """
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from overlapddp.bucket_unscaler import BucketUnscaler
+from overlapddp.optim.unscaler import BucketUnscaler
 from overlapddp.reducer import Reducer
 from overlapddp.torch_compat import foreach_mul_, foreach_norm
 

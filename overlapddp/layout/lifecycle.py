@@ -3,7 +3,7 @@
 DDP builds its buckets in reverse parameter order and rebuilds them once from rank 0's
 gradient-ready order, at the forward after the first synchronized backward (the second with a static
 graph; never when it searches unused parameters on a dynamic graph), then keeps them. With
-``bucket_plan="tuned"`` the tuner (``tuning/``) then measures, models and selects among layouts for a
+``bucket_plan="tuned"`` the tuner (``layout/``) then measures, models and selects among layouts for a
 few iterations before the layout is final. A checkpoint's layout (``bucket_state``) can be restored
 instead. The reducer asks this object one question per step and installs the layout it answers. The
 tuner is made and driven only here; the reducer gets it from ``start_iteration`` for one iteration,
@@ -19,10 +19,10 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from overlapddp.bucket_plan import BucketCaps, BucketPlan, explicit_plan, initial_plan, rebuilt_plan
+from overlapddp.layout.plan import BucketCaps, BucketPlan, explicit_plan, initial_plan, rebuilt_plan
+from overlapddp.layout.tuner import TUNING_ITERATIONS, PlanTuner
 from overlapddp.module_sync import broadcast_from
 from overlapddp.options import ReducerOptions
-from overlapddp.tuning.tuner import TUNING_ITERATIONS, PlanTuner
 
 
 class LayoutPhase(enum.Enum):

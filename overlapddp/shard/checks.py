@@ -14,8 +14,8 @@ from typing import Sequence
 
 import torch
 
-from overlapddp.bucket_storage import is_dense_permutation
-from overlapddp.shard_collectives import SHARDED_BACKENDS
+from overlapddp.bucket.storage import is_dense_permutation
+from overlapddp.shard.collectives import SHARDED_BACKENDS
 
 # The optimizers whose update is elementwise, and for each the names of its per-element state
 # (every other state entry, e.g. Adam's step, is one value per parameter).
