@@ -1,4 +1,4 @@
-"""Smoke tests for benchmarks/compare.py, beyond_ddp.py and shard/optimizer.py: tiny runs (over the
+"""Smoke tests for benchmarks/compare.py, beyond_ddp.py and sharded_optimizer.py: tiny runs (over the
 emulated link for the first two), and compare.py's charts.
 
 Each run spawns two fresh gloo ranks, so a test takes seconds; the MLP with one or two timed steps
@@ -22,7 +22,7 @@ from overlapddp.layout import tuner
 REPO = Path(__file__).resolve().parent.parent
 COMPARE = REPO / "benchmarks" / "compare.py"
 BEYOND_DDP = REPO / "benchmarks" / "beyond_ddp.py"
-SHARDED_OPTIMIZER = REPO / "benchmarks" / "shard/optimizer.py"
+SHARDED_OPTIMIZER = REPO / "benchmarks" / "sharded_optimizer.py"
 RUN_TIMEOUT_S = 120
 TINY_RUN = ["--model", "mlp", "--steps", "2", "--warmup", "1", "--repeats", "2", "--link-gbps", "1"]
 
