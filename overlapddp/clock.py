@@ -11,7 +11,8 @@ except when the timings are read, once per measured iteration or selection phase
 from __future__ import annotations
 
 import time
-from typing import Sequence, Union, cast
+from dataclasses import dataclass
+from typing import Callable, Sequence, Union, cast
 
 import torch
 
@@ -75,3 +76,49 @@ class CudaClock(HostClock):
 def clock_for(device: torch.device) -> HostClock:
     """The clock that times work on ``device``."""
     return CudaClock(device) if device.type == "cuda" else HostClock()
+
+
+@dataclass(frozen=True)
+class LaunchStamps:
+    """One bucket's launch as the fence saw it: its bytes, the host seconds the launch took on
+    backward's thread, a stamp before it and a stamp of its collective's completion."""
+
+    bucket: int
+    nbytes: int
+    host_seconds: float
+    launched: Stamp
+    done: Stamp
+
+
+class BucketStamps:
+    """One measured iteration's stamps, taken by the fence as gradients and buckets pass its edges and
+    read by the tuner once the iteration ended: the tuner observes the fence, it rides no call.
+
+    Only buckets (keys >= 0) are stamped: the delayed all-reduce is no bucket of the layout.
+    """
+
+    def __init__(self, clock: HostClock, params: int) -> None:
+        self.clock = clock
+        self.origin = clock.now()
+        self.ready: list[Stamp | None] = [None] * params  # per parameter: when its gradient was counted in
+        self.launches: list[LaunchStamps] = []  # in launch order
+        # Per bucket: when its result was complete for the consumer, and when every consumer was done.
+        self.completed: dict[int, Stamp] = {}
+        self.consumed: dict[int, Stamp] = {}
+
+    def gradient_ready(self, param: int) -> None:
+        self.ready[param] = self.clock.now()
+
+    def launch(self, bucket: int, nbytes: int, start: Callable[[], torch.futures.Future]) -> torch.futures.Future:
+        """Run ``start`` (the collective's launch), stamped before and at its completion."""
+        started, launched = time.perf_counter(), self.clock.now()
+        future = start()
+        self.launches.append(LaunchStamps(bucket, nbytes, time.perf_counter() - started, launched,
+                                          self.clock.done(future)))
+        return future
+
+    def bucket_completed(self, bucket: int) -> None:
+        self.completed[bucket] = self.clock.now()
+
+    def bucket_consumed(self, bucket: int) -> None:
+        self.consumed[bucket] = self.clock.now()

@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.futures import Future
 
-from overlapddp.clock import HostClock, Stamp
+from overlapddp.clock import BucketStamps, HostClock, Stamp
 from overlapddp.device_streams import CudaKit
 
 EDGE_ORDER = ("produced", "launched", "completed", "consumed")
@@ -109,6 +109,9 @@ class Fence:
         self._clock = HostClock()
         self._finished_at: dict[int, Stamp] = {}
         self._launched_at: dict[int, float] = {}
+        # While the tuned plan measures an iteration: its stamps, attached and read by the tuner
+        # (layout/lifecycle.py), taken here at each edge on the device's clock.
+        self.stamps: BucketStamps | None = None
 
     def _record(self, bucket: int, edge: str, actor: str, event: str | None = None, at: float | None = None) -> None:
         if self.log is not None:
@@ -123,8 +126,10 @@ class Fence:
     def _stream_name(self) -> str:
         return "cpu"
 
-    def gradient_ready(self, bucket: int) -> None:
-        """A gradient of ``bucket`` was accumulated on the current stream (CPU: on this thread)."""
+    def gradient_ready(self, bucket: int, param: int | None = None) -> None:
+        """Gradient ``param`` of ``bucket`` was accumulated on the current stream (CPU: on this thread)."""
+        if self.stamps is not None and param is not None:
+            self.stamps.gradient_ready(param)
 
     def filling(self, bucket: int) -> None:
         """Edge 0: the producer is about to overwrite the bucket; on CPU every read of it is over."""
@@ -141,7 +146,11 @@ class Fence:
         """Edge 2: start the collective after everything the producer did."""
         if bucket in self._in_flight:
             raise RuntimeError(f"Bucket {bucket} was launched twice without being completed in between.")
-        future = self._in_flight[bucket] = start()
+        stamps, buffer = self.stamps, self._buffers.get(bucket)
+        if stamps is not None and bucket >= 0 and buffer is not None:
+            future = self._in_flight[bucket] = stamps.launch(bucket, buffer.numel() * buffer.element_size(), start)
+        else:
+            future = self._in_flight[bucket] = start()
         if self.log is not None and self.futures_complete_when_done:
             self._launched_at[bucket] = time.perf_counter()
             self._finished_at[bucket] = self._clock.done(future)
@@ -149,6 +158,17 @@ class Fence:
 
     def complete(self, bucket: int) -> object:
         """Edge 3: block until the collective is final, then hand over its value."""
+        value = self._wait_for(bucket)
+        self._stamp_completed(bucket)
+        return value
+
+    def _stamp_completed(self, bucket: int) -> None:
+        """The consumer may read the result from here (stamped on the consumer's stream)."""
+        if self.stamps is not None and bucket >= 0:
+            self.stamps.bucket_completed(bucket)
+
+    def _wait_for(self, bucket: int) -> object:
+        """Pop the bucket's collective and wait for it (on CUDA: on the stream in use)."""
         future = self._in_flight.pop(bucket, None)
         if future is None:
             raise RuntimeError(f"Bucket {bucket} was asked for its result but was never launched.")
@@ -168,9 +188,11 @@ class Fence:
         return future.wait()
 
     def consumed(self, bucket: int, consumer: str, written: Sequence[torch.Tensor] = ()) -> None:
-        """Edge 4: a reader used the completed result, writing ``written`` (logged only on CPU;
-        completion already ordered it)."""
+        """Edge 4: every reader used the completed result (the copy into ``param.grad``, then an
+        optimizer's update), writing ``written`` (logged only on CPU; completion already ordered it)."""
         self._record(bucket, "consumed", consumer)
+        if self.stamps is not None and bucket >= 0:
+            self.stamps.bucket_consumed(bucket)
 
     def backward_ended(self) -> None:
         """Mark when backward's compute ended (the finalize callback started), for timelines."""
@@ -242,7 +264,8 @@ class CudaFence(Fence):
     def _stream_name(self) -> str:
         return f"cuda stream {self._kit.current_stream().stream_id}"
 
-    def gradient_ready(self, bucket: int) -> None:
+    def gradient_ready(self, bucket: int, param: int | None = None) -> None:
+        super().gradient_ready(bucket, param)
         current = self._kit.current_stream()
         last = self._last_producer.get(bucket)
         if last is not None and last != current:
@@ -300,7 +323,7 @@ class CudaFence(Fence):
 
     def complete(self, bucket: int) -> object:
         with self._kit.use(self._comm_stream):
-            value = super().complete(bucket)
+            value = self._wait_for(bucket)
             done = self._event(bucket, "completed")
             done.record(self._comm_stream)
         consumer = self._kit.current_stream()
@@ -310,6 +333,7 @@ class CudaFence(Fence):
         for tensor in _tensors_of(value):
             self._kit.record_stream(tensor, consumer)
         self._consumer = consumer
+        self._stamp_completed(bucket)
         return value
 
     def consumed(self, bucket: int, consumer: str, written: Sequence[torch.Tensor] = ()) -> None:

@@ -16,12 +16,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
+from typing import Any, Callable, Sequence, cast
 
 import torch
 import torch.distributed as dist
 
 from overlapddp.bucket.comm_hook import Bucket, CommHook
+from overlapddp.bucket.consumer import BucketConsumer, GradientCopy, ReducedBucket
 from overlapddp.bucket.gradient_checks import GradientWriteWatch
 from overlapddp.bucket.pipeline import BucketPipeline, SharedStages
 from overlapddp.bucket.reduction import BucketReduction
@@ -37,9 +38,6 @@ from overlapddp.param_usage import UsageMap, grad_accumulators, unreachable
 from overlapddp.progress import ProgressRecord
 from overlapddp.sync_checks import SyncFlagCheck
 from overlapddp.torch_compat import in_backward
-
-if TYPE_CHECKING:
-    from overlapddp.layout.tuner import PlanTuner
 
 
 class ReducerState(enum.Enum):
@@ -84,10 +82,8 @@ class _Iteration:
     unused: list[int] = field(default_factory=list)  # counted in without a gradient: no output reached them
     unused_marked: bool = False  # ``unused`` were counted in (at this backward's first gradient)
     next_launch: int = 0  # the next bucket to launch: buckets launch in index order
-    # From the layout lifecycle: where to record each fired gradient (while DDP's rebuild is awaited),
-    # and the tuner while it measures.
+    # From the layout lifecycle: where to record each fired gradient (while DDP's rebuild is awaited).
     record_ready: Callable[[int], None] | None = None
-    timing: PlanTuner | None = None
 
     @classmethod
     def empty(cls, count: int) -> _Iteration:
@@ -132,16 +128,14 @@ class Reducer:
             GradientWriteWatch(self.names, self.params, self.rank), self.progress, self.names,
             options.gradient_as_bucket_view, check_nonfinite,
         )
-        # Called in finalize with each bucket's parameters once its gradients are written, while
-        # later buckets may still be reducing: the overlapped optimizer's per-bucket update.
-        self.after_bucket_reduced: Callable[[list[torch.Tensor]], None] | None = None
-        self.after_all_reduced: Callable[[], None] | None = None  # once, when every bucket is written
+        # Who takes each reduced bucket, in order (bucket/consumer.py): DDP's copy into param.grad
+        # first, then whatever attach() added (the overlapped optimizer's per-bucket update).
+        self.consumers: list[BucketConsumer] = [GradientCopy(self._shared.reduction, options.gradient_as_bucket_view)]
         # delay_all_reduce_named_params: launched by launch_delayed, completed in finalize.
         self.delayed = delayed
         # A sharded optimizer (shard/optimizer.py) pads every bucket's buffer to a multiple of this
         # (the world size; see set_sharded).
         self._pad_to = 1
-        self._shard_abandoned: Callable[[], None] | None = None
         self._layouts = LayoutLifecycle(self.params, self._sparse_gradient, caps, options)
         self._configure(options)
         self._install_plan(self._layouts.initial_plan())
@@ -180,16 +174,32 @@ class Reducer:
         """An optimizer guard attaches (or, ``watching=False``, detaches): see bucket/gradient_checks.py."""
         self._shared.write_watch.watchers += 1 if watching else -1
 
-    def set_reduction_callbacks(
-        self, after_bucket: Callable[[list[torch.Tensor]], None] | None, after_all: Callable[[], None] | None
-    ) -> None:
-        """The overlapped optimizer's per-bucket update and its end (None, None: detach)."""
-        self.after_bucket_reduced, self.after_all_reduced = after_bucket, after_all
+    def attach(self, consumer: BucketConsumer) -> None:
+        """Hand every reduced bucket to ``consumer`` too, after those attached before it; only between
+        iterations (a bucket is never taken by some consumers of an iteration and not others)."""
+        self._between_iterations(f"{consumer.name} can only be attached")
+        self.consumers.append(consumer)
+
+    def detach(self, consumer: BucketConsumer) -> None:
+        """Stop handing buckets to ``consumer``."""
+        self._between_iterations(f"{consumer.name} can only be detached")
+        self.consumers.remove(consumer)
+
+    def _between_iterations(self, what: str) -> None:
+        """Refuse while a backward's buckets are being taken in (a consumer sees all of one or none)."""
+        if self.state in _UNFINISHED or self.fence.in_flight():
+            raise RuntimeError(
+                f"{what} between iterations; the reducer is {self.state.value} on rank {self.rank}."
+            )
+
+    def set_reduction_callbacks(self, after_bucket: None, after_all: Callable[[], None]) -> None:
+        """The reduce-scatter sharded optimizer's end of backward (see set_sharded)."""
+        cast(_ShardSink, self.consumers[0]).after_all = after_all
 
     @property
     def sharded(self) -> bool:
         """Whether a sharded optimizer reduce-scatters the buckets (see set_sharded)."""
-        return self._shared.shard_sink is not None
+        return self._shared.padded
 
     def set_sharded(
         self,
@@ -208,8 +218,8 @@ class Reducer:
                 f"on rank {self.rank}."
             )
         self._shared.reduction.set_shard_start(start)
-        self._pad_to, self._shared.shard_sink = self.process_group.size(), sink
-        self._shard_abandoned = abandoned
+        self._pad_to, self._shared.padded = self.process_group.size(), True
+        self.consumers[0] = _ShardSink(sink, abandoned)  # the reduced shard is the sink's, not param.grad's
         self._install_plan(self.plan)  # the same buckets over padded buffers
 
     # -- layout -------------------------------------------------------------------------------
@@ -371,7 +381,7 @@ class Reducer:
         self.progress.forward(self.synchronized_forwards, self.reductions, dropped)
         self._shared.reduction.arm()
         iteration = _Iteration.empty(len(self.params))
-        iteration.record_ready, iteration.timing = self._layouts.start_iteration()
+        iteration.record_ready = self._layouts.start_iteration(self.fence, self.plan)
         self.mode = GraphMode.OVERLAP
         if self.options.static_graph:
             learned = self._learned_fires
@@ -454,9 +464,7 @@ class Reducer:
         iteration = self._iteration
         iteration.marked[index] = True
         self.state = ReducerState.REDUCING  # ARMED or LEARNING -> REDUCING: finalize is owed from here
-        if iteration.timing is not None:
-            iteration.timing.gradient_ready(index)
-        if not self.pipelines[self._bucket_of[index]].gradient_ready():
+        if not self.pipelines[self._bucket_of[index]].gradient_ready(index):
             return
         while iteration.next_launch < len(self.pipelines) and self.pipelines[iteration.next_launch].filled:
             pipeline = self.pipelines[iteration.next_launch]
@@ -469,7 +477,7 @@ class Reducer:
 
     def _launch(self, pipeline: BucketPipeline) -> None:
         try:
-            pipeline.launch(self._iteration.timing)
+            pipeline.launch()
         except FloatingPointError:  # the non-finite check: every rank stops before this bucket
             self._abandon()
             raise
@@ -527,13 +535,13 @@ class Reducer:
                 if self._skipped(pipeline):
                     continue
                 write = [self._globally_used(i) for i in pipeline.members]
-                pipeline.write_back(write, iteration.timing, self.after_bucket_reduced)
+                pipeline.write_back(write, self.consumers)
             if self.delayed is not None:
                 self.delayed.finish(fence)
             if self._usage is not None:
                 self._usage.settle()
-            if self.after_all_reduced is not None:
-                self.after_all_reduced()
+            for consumer in self.consumers:
+                consumer.all_taken()
         except BaseException:
             self._abandon()
             raise
@@ -584,7 +592,29 @@ class Reducer:
             self._used.reset()
         for pipeline in self.pipelines:
             pipeline.reset()
-        if self._shard_abandoned is not None:
-            self._shard_abandoned()
+        for consumer in self.consumers:
+            consumer.abandoned()
         self._iteration = _Iteration.empty(len(self.params))
         self.state = ReducerState.IDLE  # any -> IDLE: the iteration is dropped
+
+
+class _ShardSink:
+    """The reduce-scatter sharded optimizer's consumer: each bucket's reduced shard goes to its update
+    instead of into ``param.grad`` (it replaces :class:`GradientCopy`)."""
+
+    name = "sharded update"
+
+    def __init__(self, sink: Callable[[int, list[bool]], None], abandoned: Callable[[], None]) -> None:
+        self._sink = sink
+        self._abandoned = abandoned
+        self.after_all: Callable[[], None] | None = None  # the optimizer's end of backward (clipping)
+
+    def take(self, bucket: ReducedBucket) -> None:
+        self._sink(bucket.index, list(bucket.write))
+
+    def all_taken(self) -> None:
+        if self.after_all is not None:
+            self.after_all()
+
+    def abandoned(self) -> None:
+        self._abandoned()

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.futures import Future
 
+from overlapddp.clock import BucketStamps
 from overlapddp.fence import CudaFence, Fence, FenceLog
 from overlapddp.module_sync import broadcast_coalesced
 from overlapddp.shard.optimizer import ShardedOptimizer
@@ -68,8 +69,16 @@ class DelayedFence(Fence):
     def log(self, value: FenceLog | None) -> None:
         self.inner.log = value
 
-    def gradient_ready(self, bucket: int) -> None:
-        self.inner.gradient_ready(bucket)
+    @property
+    def stamps(self) -> BucketStamps | None:
+        return self.inner.stamps
+
+    @stamps.setter
+    def stamps(self, value: BucketStamps | None) -> None:
+        self.inner.stamps = value
+
+    def gradient_ready(self, bucket: int, param: int | None = None) -> None:
+        self.inner.gradient_ready(bucket, param)
 
     def filling(self, bucket: int) -> None:
         self.inner.filling(bucket)

@@ -395,7 +395,7 @@ class OverlapDDP(nn.Module, Joinable):
                 f"A sharded optimizer is attached to this model (rank {self._reducer.rank}): it owns the reduced "
                 "gradients, so no other optimizer can be attached."
             )
-        if shard and (self._reducer.after_bucket_reduced is not None or self._reducer.after_all_reduced is not None):
+        if shard and any(isinstance(consumer, OverlappedOptimizer) for consumer in self._reducer.consumers):
             raise RuntimeError(
                 f"An overlapped optimizer is attached to this model (rank {self._reducer.rank}); detach it before "
                 "attaching a sharded one."

@@ -11,7 +11,9 @@ import torch
 from torch.futures import Future
 
 from overlapddp.bucket import pipeline as bucket_pipeline
-from overlapddp.bucket.pipeline import BucketPipeline, SharedStages, hook_result
+from overlapddp.bucket.consumer import ReducedBucket, hook_result
+from overlapddp.bucket.pipeline import BucketPipeline, SharedStages
+from overlapddp.clock import BucketStamps, HostClock
 from overlapddp.fence import Fence
 
 EXPECTED = torch.zeros(6)
@@ -78,7 +80,7 @@ class FailingFence(Fence):
 def test_a_failed_completion_names_the_bucket_its_first_members_the_rank_and_who_is_behind(members: list[int], listed: str) -> None:
     pipeline = _pipeline(members, FailingFence())
     with pytest.raises(RuntimeError) as raised:
-        pipeline.write_back([True] * len(members), None, None)
+        pipeline.write_back([True] * len(members), [])
     assert str(raised.value) == (
         f"The reduction of bucket 4 ({len(members)} parameters: {listed}) failed on rank 2: peer closed. Another rank "
         "may have died or timed out. (rank 1 is behind, bucket 4) This iteration's gradients were not reduced; "
@@ -98,58 +100,81 @@ def test_the_nonfinite_check_stops_the_launch_with_its_error(monkeypatch: pytest
     fence = Fence()
     pipeline = _pipeline([0], fence, check_nonfinite=True)
     with pytest.raises(FloatingPointError, match="layer0.weight is not finite"):
-        pipeline.launch(None)
+        pipeline.launch()
     assert checked == [(4, [0])] and fence.in_flight() == [], "nothing launched"
     monkeypatch.setattr(bucket_pipeline, "nonfinite_error", lambda *args: None)
-    pipeline.launch(None)
+    pipeline.launch()
     assert fence.in_flight() == [4]
 
 
 def test_without_the_check_nothing_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bucket_pipeline, "nonfinite_error", lambda *args: pytest.fail("checked"))
     fence = Fence()
-    _pipeline([0], fence).launch(None)
+    _pipeline([0], fence).launch()
     assert fence.in_flight() == [4]
 
 
-class Timing:
-    """The tuner's side of a measured bucket: what the pipeline reports to it, in order."""
+class Ticks(HostClock):
+    """A clock whose stamps count: what the fence stamps, in order."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple] = []
-        self._ticks = 0
+        self.ticks = 0
 
-    def now(self) -> int:
-        self._ticks += 1
-        return self._ticks
+    def now(self) -> int:  # type: ignore[override]
+        self.ticks += 1
+        return self.ticks
 
-    def bucket_launched(self, nbytes: int, tensors: int, started: float, launched: int, future: Future) -> None:
-        self.calls.append(("launched", nbytes, tensors, launched))
-
-    def bucket_finalized(self, reduced: int, worked: int) -> None:
-        self.calls.append(("finalized", reduced, worked))
+    def done(self, future: Future) -> list[float]:
+        return ["done"]  # type: ignore[list-item]
 
 
-def test_while_measuring_the_tuner_hears_each_launchs_bytes_and_members_and_each_write_back() -> None:
+class Taking:
+    """A consumer that records the buckets it is handed."""
+
+    name = "taking"
+
+    def __init__(self) -> None:
+        self.taken: list[tuple[int, list[bool], object]] = []
+
+    def take(self, bucket: ReducedBucket) -> None:
+        self.taken.append((bucket.index, list(bucket.write), bucket.value))
+
+
+def test_while_measuring_the_fence_stamps_each_launchs_bytes_and_each_hand_over() -> None:
     fence = Fence()
+    fence.stamps = BucketStamps(Ticks(), 2)
     pipeline = _pipeline([0, 1], fence)
     pipeline.storage.buffer = torch.zeros(5, dtype=torch.float64)  # 40 bytes
-    pipeline.storage.copy_out = lambda result, write, as_view: None
+    fence.produced(4, pipeline.storage.buffer)
     pipeline._shared.reduction.start = lambda bucket: _resolved(bucket.buffer())
-    timing = Timing()
-    pipeline.launch(timing)  # type: ignore[arg-type]
-    pipeline.write_back([True, True], timing, None)  # type: ignore[arg-type]
-    assert timing.calls == [("launched", 40, 2, 1), ("finalized", 2, 3)]
+    pipeline.launch()
+    (launch,) = fence.stamps.launches
+    assert (launch.bucket, launch.nbytes, launch.launched, launch.done) == (4, 40, 2, ["done"])
+    pipeline.write_back([True, True], [Taking()])
+    assert fence.stamps.completed == {4: 3} and fence.stamps.consumed == {4: 4}
+
+
+def test_each_consumer_takes_the_completed_bucket_in_order() -> None:
+    fence = Fence()
+    pipeline = _pipeline([0, 1], fence)
+    pipeline._shared.reduction.start = lambda bucket: _resolved(bucket.buffer())
+    first, second = Taking(), Taking()
+    order: list[str] = []
+    first.take = lambda bucket, taken=first.take: (order.append("first"), taken(bucket))  # type: ignore[method-assign]
+    second.take = lambda bucket, taken=second.take: (order.append("second"), taken(bucket))  # type: ignore[method-assign]
+    pipeline.launch()
+    pipeline.write_back([True, False], [first, second])
+    assert order == ["first", "second"]
+    assert first.taken == second.taken == [(4, [True, False], pipeline.storage.buffer)]
 
 
 def test_without_the_tuner_nothing_is_timed() -> None:
     fence = Fence()
     pipeline = _pipeline([0], fence)
-    pipeline.storage.copy_out = lambda result, write, as_view: None
     pipeline._shared.reduction.start = lambda bucket: _resolved(bucket.buffer())
-    pipeline.launch(None)
-    pipeline.write_back([True], None, None)
-    assert fence.in_flight() == []
+    pipeline.launch()
+    pipeline.write_back([True], [])
+    assert fence.in_flight() == [] and fence.stamps is None
 
 
 def _resolved(value: torch.Tensor) -> Future:
@@ -180,8 +205,8 @@ def test_the_fence_hears_which_gradients_the_copy_out_wrote() -> None:
     pipeline.storage.params = [with_grad, without]
     pipeline.storage.copy_out = lambda result, write, as_view: None
     pipeline._shared.reduction.start = lambda bucket: _resolved(bucket.buffer())
-    pipeline.launch(None)
-    pipeline.write_back([True, False], None, None)
+    pipeline.launch()
+    pipeline.write_back([True, False], [])
     assert len(fence.written) == 1 and len(fence.written[0]) == 1 and fence.written[0][0] is with_grad.grad
 
 
@@ -191,7 +216,7 @@ def test_the_last_members_gradient_fills_the_bucket(monkeypatch: pytest.MonkeyPa
     filled: list[int] = []
     pipeline._shared.reduction.copy_in = lambda storage: filled.append(len(filled))
     fence.produced = lambda bucket, buffer: None  # type: ignore[method-assign]
-    assert pipeline.gradient_ready() is False and not pipeline.filled and filled == []
-    assert pipeline.gradient_ready() is True and pipeline.filled and filled == [0]
+    assert pipeline.gradient_ready(0) is False and not pipeline.filled and filled == []
+    assert pipeline.gradient_ready(1) is True and pipeline.filled and filled == [0]
     pipeline.reset()
     assert not pipeline.filled and pipeline.missing == 2

@@ -11,6 +11,8 @@ from typing import Any, Callable, Sequence
 import pytest
 import torch
 
+from overlapddp.clock import BucketStamps, HostClock
+from overlapddp.fence import Fence
 from overlapddp.layout import lifecycle as layout_lifecycle
 from overlapddp.layout.lifecycle import LayoutLifecycle, LayoutPhase
 from overlapddp.layout.plan import BucketCaps, BucketPlan, explicit_plan, initial_plan, rebuilt_plan
@@ -39,8 +41,9 @@ class StandInTuner:
         self.switch_to: BucketPlan | None = None
         self.finishes = False
 
-    def start_iteration(self) -> None:
+    def start_iteration(self, in_force: BucketPlan) -> BucketStamps | None:
         self.calls.append("start_iteration")
+        return BucketStamps(HostClock(), len(self.params)) if self.measuring else None
 
     def end_iteration(self) -> None:
         self.calls.append("end_iteration")
@@ -97,7 +100,7 @@ def _lifecycle(**options: bool) -> LayoutLifecycle:
 
 
 def _record(lifecycle: LayoutLifecycle, order: Sequence[int]) -> None:
-    record, _ = lifecycle.start_iteration()
+    record = lifecycle.start_iteration(Fence(), ELSEWHERE)
     assert record is not None
     for index in order:
         record(index)
@@ -236,29 +239,43 @@ def test_a_done_tuner_marks_the_layout_tuned_and_changed_even_without_a_rebuild(
 def test_while_the_rebuild_is_awaited_start_iteration_hands_out_the_recorder_and_no_tuner(stand_ins: StandIns) -> None:
     lifecycle = _lifecycle(tuned_plan=True)
     stand_ins.tuners[0].measuring = True
-    record, tuner = lifecycle.start_iteration()
-    assert callable(record) and tuner is None
+    fence = Fence()
+    record = lifecycle.start_iteration(fence, ELSEWHERE)
+    assert callable(record) and fence.stamps is None
     assert stand_ins.tuners[0].calls == []
 
 
 def test_after_the_rebuild_without_a_tuner_start_iteration_hands_out_nothing(stand_ins: StandIns) -> None:
     lifecycle = _lifecycle()
     _rebuild(lifecycle, stand_ins)
-    assert lifecycle.start_iteration() == (None, None)
+    fence = Fence()
+    assert lifecycle.start_iteration(fence, ELSEWHERE) is None and fence.stamps is None
 
 
 @pytest.mark.parametrize("measuring", (False, True), ids=("idle", "measuring"))
-def test_after_the_rebuild_start_iteration_starts_the_tuner_and_hands_it_out_only_while_it_measures(
+def test_after_the_rebuild_the_fence_stamps_for_the_tuner_only_while_it_measures_until_the_iteration_ends(
     stand_ins: StandIns, measuring: bool
 ) -> None:
     lifecycle = _lifecycle(tuned_plan=True)
     tuner = stand_ins.tuners[0]
     _rebuild(lifecycle, stand_ins)
     tuner.measuring = measuring
-    record, handed = lifecycle.start_iteration()
-    assert record is None
-    assert handed is (tuner if measuring else None)
+    fence = Fence()
+    assert lifecycle.start_iteration(fence, ELSEWHERE) is None
+    assert (fence.stamps is not None) is measuring
     assert tuner.calls == ["start_iteration"]
+    lifecycle.iteration_reduced([])
+    assert fence.stamps is None and tuner.calls == ["start_iteration", "end_iteration"]
+
+
+def test_an_abandoned_measured_iteration_stops_the_stamps(stand_ins: StandIns) -> None:
+    lifecycle = _lifecycle(tuned_plan=True)
+    _rebuild(lifecycle, stand_ins)
+    stand_ins.tuners[0].measuring = True
+    fence = Fence()
+    lifecycle.start_iteration(fence, ELSEWHERE)
+    lifecycle.iteration_abandoned()
+    assert fence.stamps is None
 
 
 @pytest.mark.parametrize(

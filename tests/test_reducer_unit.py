@@ -336,16 +336,50 @@ def test_the_nonfinite_check_is_switched_by_the_setter(one_rank: None) -> None:
     assert reducer.reductions == 1
 
 
-def test_the_reduction_callbacks_run_per_bucket_then_once(one_rank: None) -> None:
+class Recording:
+    """A consumer that records what it is handed (bucket/consumer.py)."""
+
+    name = "recording"
+
+    def __init__(self, reducer: Reducer, seen: list[Any]) -> None:
+        self._reducer, self.seen = reducer, seen
+
+    def take(self, bucket: Any) -> None:
+        self.seen.append([_index(self._reducer, p) for p in bucket.params])
+
+    def all_taken(self) -> None:
+        self.seen.append("all")
+
+    def abandoned(self) -> None:
+        self.seen.append("abandoned")
+
+
+def test_an_attached_consumer_takes_each_bucket_after_the_copy_then_hears_the_end(one_rank: None) -> None:
     reducer = _reducer()
     seen: list[Any] = []
-    reducer.set_reduction_callbacks(lambda params: seen.append([_index(reducer, p) for p in params]),
-                                    lambda: seen.append("all"))
+    consumer = Recording(reducer, seen)
+    reducer.attach(consumer)
+    assert reducer.consumers[1:] == [consumer]
     _backward(reducer, [2, 1, 0])
     assert seen == [[2], [1], [0], "all"]
-    reducer.set_reduction_callbacks(None, None)
+    reducer.detach(consumer)
     _backward(reducer, [2, 1, 0])
-    assert seen == [[2], [1], [0], "all"]
+    assert seen == [[2], [1], [0], "all"] and len(reducer.consumers) == 1
+
+
+def test_consumers_are_attached_only_outside_a_backward_and_hear_an_abandoned_iteration(one_rank: None) -> None:
+    reducer = _reducer()
+    seen: list[Any] = []
+    consumer = Recording(reducer, seen)
+    reducer.prepare_for_backward()
+    reducer.attach(consumer)  # armed, no gradient taken yet: allowed
+    _grad(reducer, 2, 1.0)
+    reducer.mark_ready(2)
+    with pytest.raises(RuntimeError, match=r"recording can only be detached between iterations; the reducer is reducing on rank 0"):
+        reducer.detach(consumer)
+    with pytest.raises(RuntimeError, match="Expected to have finished reduction"):
+        reducer.prepare_for_forward()
+    assert seen == ["abandoned"]
 
 
 def test_static_graph_is_enabled_only_before_the_first_backward(one_rank: None) -> None:

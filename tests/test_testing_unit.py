@@ -13,6 +13,7 @@ import torch
 from torch.futures import Future
 
 from overlapddp import testing
+from overlapddp.clock import BucketStamps, HostClock
 from overlapddp.fence import CudaFence, Fence, FenceLog
 from overlapddp.testing import (
     STAGES,
@@ -39,8 +40,8 @@ class Recorder(Fence):
         super().__init__()
         self.calls: list[tuple] = []
 
-    def gradient_ready(self, bucket: int) -> None:
-        self.calls.append(("gradient_ready", bucket))
+    def gradient_ready(self, bucket: int, param: int | None = None) -> None:
+        self.calls.append(("gradient_ready", bucket, param))
 
     def filling(self, bucket: int) -> None:
         self.calls.append(("filling", bucket))
@@ -109,8 +110,12 @@ def test_a_delayed_fence_passes_every_call_through_to_its_inner_fence(sleeps: li
     log = FenceLog()
     fence.log = log
     assert inner.log is log and fence.log is log
+    stamps = BucketStamps(HostClock(), 1)
+    fence.stamps = stamps
+    assert inner.stamps is stamps and fence.stamps is stamps
+    fence.stamps = None
     buffer, written = torch.zeros(2), torch.ones(1)
-    fence.gradient_ready(0)
+    fence.gradient_ready(0, 7)
     fence.filling(0)
     fence.produced(0, buffer)
     fence.order_after_produced(0)
@@ -124,7 +129,7 @@ def test_a_delayed_fence_passes_every_call_through_to_its_inner_fence(sleeps: li
     fence.launch(1, lambda: _done(None))
     assert fence.abandon() == [1] and fence.in_flight() == []
     assert inner.calls == [
-        ("gradient_ready", 0), ("filling", 0), ("produced", 0), ("order_after_produced", 0),
+        ("gradient_ready", 0, 7), ("filling", 0), ("produced", 0), ("order_after_produced", 0),
         ("consumed", 0, "copy", (written,)), ("backward_ended",), ("end_iteration",), ("make_visible", True, (written,)),
     ]
     assert sleeps == [0.25, 0.25], "one sleep before each launch, none elsewhere"

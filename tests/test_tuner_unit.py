@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlapddp.clock import HostClock, Stamp
+from overlapddp import clock as clock_module
+from overlapddp.clock import BucketStamps, HostClock, LaunchStamps, Stamp
 from overlapddp.layout import tuner as tuner_module
 from overlapddp.layout.cost_model import BucketTiming
 from overlapddp.layout.plan import MIB, BucketCaps, BucketPlan, explicit_plan, rebuilt_plan
@@ -48,37 +49,48 @@ def _params(count: int, mib: float = 0.001) -> list[torch.Tensor]:
     return [torch.empty(max(1, int(mib * MIB) // 4)) for _ in range(count)]
 
 
+def _plan_of(sizes: Sequence[int]) -> BucketPlan:
+    """A layout of consecutive parameters in buckets of these sizes (the tuner reads the sizes)."""
+    buckets, start = [], 0
+    for size in sizes:
+        buckets.append(tuple(range(start, start + size)))
+        start += size
+    return BucketPlan(tuple(buckets), tuple(4 * size for size in sizes))
+
+
 def _measure(tuner: PlanTuner, clock: FakeClock, ready: dict[int, float], buckets: int = 1) -> None:
-    """One synchronized backward on the fake clock: gradients ready at the given times, then each
-    bucket launched, completed and finalized one second apart."""
-    tuner.start_iteration()
+    """One synchronized backward on the fake clock, stamped as the fence stamps it: gradients ready at
+    the given times, then each bucket launched, completed and consumed one second apart (stamped only
+    while the tuner measures, as the fence stamps only then)."""
+    stamps = tuner.start_iteration(_plan_of([1] * max(buckets, 1)))
+    if stamps is None:
+        tuner.end_iteration()
+        return
     for index, at in ready.items():
         clock.time = at
-        tuner.gradient_ready(index)
-    for _ in range(buckets):
+        stamps.gradient_ready(index)
+    for bucket in range(buckets):
         clock.time += 1.0
         clock.completes = clock.time + 1.0
-        tuner.bucket_launched(4, 1, 0.0, tuner.now(), torch.futures.Future())
-        tuner.bucket_finalized(clock.completes, clock.completes + 0.5)
+        stamps.launches.append(LaunchStamps(bucket, 4, 0.0, clock.now(), clock.completes))
+        stamps.completed[bucket], stamps.consumed[bucket] = clock.completes, clock.completes + 0.5
     tuner.end_iteration()
 
 
-def test_one_measured_iteration_records_ready_times_from_the_first_and_each_buckets_timing(clock, monkeypatch):
+def test_one_measured_iteration_records_ready_times_from_the_first_and_each_buckets_timing(clock):
     tuner = PlanTuner(_params(3), [False] * 3)
     assert tuner.measuring is False
     clock.time = 10.0
-    tuner.start_iteration()
-    assert tuner.measuring is True
+    stamps = tuner.start_iteration(_plan_of([2, 1]))
+    assert tuner.measuring is True and stamps is not None and stamps.origin == 10.0
     clock.time = 11.0
-    tuner.gradient_ready(2)
+    stamps.gradient_ready(2)
     clock.time = 12.0
-    tuner.gradient_ready(0)  # gradient 1 is never ready (unused this iteration)
-    monkeypatch.setattr(tuner_module, "time", SimpleNamespace(perf_counter=lambda: 100.5))  # the tuner's alone
-    clock.completes = 14.0
-    tuner.bucket_launched(8, 2, 100.0, 12.5, torch.futures.Future())
-    tuner.bucket_finalized(14.0, 14.25)
-    clock.completes = 11.0  # reported before its launch: counts as done when launched
-    tuner.bucket_launched(4, 1, 100.25, 13.0, torch.futures.Future())  # no finalize work: zero
+    stamps.gradient_ready(0)  # gradient 1 is never ready (unused this iteration)
+    stamps.launches.append(LaunchStamps(0, 8, 0.5, 12.5, 14.0))
+    stamps.completed[0], stamps.consumed[0] = 14.0, 14.25
+    # done before its launch was stamped: counts as done when launched; no consumer work: zero
+    stamps.launches.append(LaunchStamps(1, 4, 0.25, 13.0, 11.0))
     tuner.end_iteration()
     assert tuner.measuring is False
     [ready] = tuner._ready
@@ -86,11 +98,21 @@ def test_one_measured_iteration_records_ready_times_from_the_first_and_each_buck
     assert tuner._buckets == [[BucketTiming(8, 2.5, 4.0, 0.5, 2, 0.25), BucketTiming(4, 3.0, 3.0, 0.25, 1, 0.0)]]
 
 
+def test_the_fence_stamps_a_launch_with_its_host_seconds_and_completion(clock, monkeypatch):
+    stamps = BucketStamps(clock, 1)
+    ticks = iter([100.0, 100.5])
+    monkeypatch.setattr(clock_module, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+    clock.time, clock.completes = 3.0, 7.0
+    future: torch.futures.Future = torch.futures.Future()
+    assert stamps.launch(2, 16, lambda: future) is future
+    assert stamps.launches == [LaunchStamps(2, 16, 0.5, 3.0, 7.0)]
+
+
 def test_launches_with_no_finalize_work_still_count(clock):
     tuner = PlanTuner(_params(2), [False] * 2)
-    tuner.start_iteration()
-    tuner.bucket_launched(4, 1, 0.0, 1.0, torch.futures.Future())
-    tuner.bucket_launched(4, 1, 0.0, 2.0, torch.futures.Future())
+    stamps = tuner.start_iteration(_plan_of([1, 1]))
+    assert stamps is not None
+    stamps.launches += [LaunchStamps(0, 4, 0.0, 1.0, 1.0), LaunchStamps(1, 4, 0.0, 2.0, 2.0)]
     tuner.end_iteration()
     assert [b.finalize_s for b in tuner._buckets[0]] == [0.0, 0.0]
 
@@ -98,27 +120,27 @@ def test_launches_with_no_finalize_work_still_count(clock):
 def test_calibration_measures_the_documented_iterations_and_nothing_outside_them(clock):
     assert CALIBRATION_ITERATIONS == 2  # docs/beyond_ddp_tuned.md: "Calibrate (2 iterations)"
     assert TUNING_ITERATIONS == 20  # ... "at most 5 candidates x 2 + 2 finalists x 4 = 18" after them
+    plan = _plan_of([2])
     tuner = PlanTuner(_params(2), [False] * 2)
-    tuner.gradient_ready(0)  # outside a measured iteration: nothing to record, nothing fails
+    tuner.end_iteration()  # outside a measured iteration: nothing to record, nothing fails
     tuner.discard_iteration()  # a failed iteration before any selection
     for _ in range(CALIBRATION_ITERATIONS):
-        tuner.start_iteration()
+        assert tuner.start_iteration(plan) is not None
         assert tuner.measuring
         tuner.end_iteration()
-    tuner.start_iteration()
+    assert tuner.start_iteration(plan) is None
     assert not tuner.measuring and len(tuner._ready) == CALIBRATION_ITERATIONS
     restored = PlanTuner(_params(2), [False] * 2, iterations=5)
     restored.restored()
-    restored.start_iteration()
-    assert not restored.measuring
+    assert restored.start_iteration(plan) is None and not restored.measuring
     shadowed = PlanTuner(_params(1), [False])  # a model of one parameter
     shadowed.shadow_iteration()  # a joined rank counts the iterations it shadows, one each
-    shadowed.start_iteration()
+    shadowed.start_iteration(_plan_of([1]))
     assert shadowed.measuring
     shadowed.discard_iteration()
     for _ in range(CALIBRATION_ITERATIONS):
         shadowed.shadow_iteration()
-    shadowed.start_iteration()
+    shadowed.start_iteration(_plan_of([1]))
     assert not shadowed.measuring
 
 

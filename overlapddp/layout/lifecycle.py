@@ -6,8 +6,8 @@ graph; never when it searches unused parameters on a dynamic graph), then keeps 
 ``bucket_plan="tuned"`` the tuner (``layout/``) then measures, models and selects among layouts for a
 few iterations before the layout is final. A checkpoint's layout (``bucket_state``) can be restored
 instead. The reducer asks this object one question per step and installs the layout it answers. The
-tuner is made and driven only here; the reducer gets it from ``start_iteration`` for one iteration,
-only to report the timings it measures.
+tuner is made and driven only here; it observes a measured iteration through the stamps the fence
+takes (``BucketStamps``, attached to the fence for that iteration), never through the reducer's calls.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from overlapddp.fence import Fence
 from overlapddp.layout.plan import BucketCaps, BucketPlan, explicit_plan, initial_plan, rebuilt_plan
 from overlapddp.layout.tuner import TUNING_ITERATIONS, PlanTuner
 from overlapddp.module_sync import broadcast_from
@@ -52,6 +53,7 @@ class LayoutLifecycle:
         # while the rebuild is awaited; broadcast from rank 0 and consumed by the rebuild.
         self._ready_order: list[int] = []
         self._rebuilt_from: list[int] = []  # rank 0's ready order the layout in force was built from
+        self._stamping: Fence | None = None  # the fence taking the tuner's stamps this iteration
         self.phase = self._first_phase()
 
     def _first_phase(self) -> LayoutPhase:
@@ -123,21 +125,27 @@ class LayoutLifecycle:
             self._tuner.between_iterations(process_group, device, self._rebuilt_from, in_force, adopt)
             self.phase = self._after_rebuild()
 
-    def start_iteration(self) -> tuple[Callable[[int], None] | None, PlanTuner | None]:
-        """A synchronized backward follows: where to record each fired gradient's index (while the
-        rebuild is awaited), and the tuner if it measures this iteration (else None each)."""
+    def start_iteration(self, fence: Fence, in_force: BucketPlan) -> Callable[[int], None] | None:
+        """A synchronized backward follows: where to record each fired gradient's index while the
+        rebuild is awaited (else None). While the tuner measures, ``fence`` stamps this iteration."""
         if self.phase is LayoutPhase.AWAITING_REBUILD:
-            return self._ready_order.append, None
-        if self._tuner is None:
-            return None, None
-        self._tuner.start_iteration()
-        return None, (self._tuner if self._tuner.measuring else None)
+            return self._ready_order.append
+        if self._tuner is not None:
+            fence.stamps = self._tuner.start_iteration(in_force)
+            self._stamping = fence if fence.stamps is not None else None
+        return None
+
+    def _stamps_taken(self) -> None:
+        """The measured iteration is over: the fence stops stamping."""
+        if self._stamping is not None:
+            self._stamping.stamps, self._stamping = None, None
 
     def iteration_reduced(self, unused: Sequence[int]) -> None:
         """Every bucket was completed (finalize); ``unused``: the parameters that never fired."""
         if self.phase is LayoutPhase.AWAITING_REBUILD and self._options.static_graph and self._ready_order:
             # DDP appends the parameters that never fired to the recorded order at finalize.
             self._ready_order += list(unused)
+        self._stamps_taken()
         if self._tuner is not None:
             self._tuner.end_iteration()
 
@@ -152,6 +160,7 @@ class LayoutLifecycle:
     def iteration_abandoned(self) -> None:
         """The iteration failed: forget its ready order and partial timings."""
         self._ready_order = []
+        self._stamps_taken()
         if self._tuner is not None:
             self._tuner.discard_iteration()
 

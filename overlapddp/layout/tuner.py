@@ -1,7 +1,7 @@
 """Measure, model, then select: the stateful half of ``bucket_plan="tuned"`` (the planning is
 cost_model.py, the selection selection.py).
 
-After DDP's own rebuild, the reducer reports a few synchronized iterations here (calibration): when
+After DDP's own rebuild, the fence stamps a few synchronized iterations for it (calibration): when
 each gradient was marked ready, when each bucket launched and completed, and how long the work after
 each reduction took (writing ``param.grad``; with an overlapped optimizer, its update), stamped by
 the device's clock (clock.py: CUDA events on GPUs). Then, at a forward that every rank reaches at the
@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from typing import Callable, Sequence, cast
 
 import torch
 import torch.distributed as dist
 
-from overlapddp.clock import Stamp, clock_for
+from overlapddp.clock import BucketStamps, Stamp, clock_for
 from overlapddp.layout.cost_model import BucketTiming, fit_finalize, fit_link, tuned_plan
 from overlapddp.layout.plan import BucketPlan, explicit_plan
 from overlapddp.layout.selection import MAX_SELECTION_ITERATIONS, PlanSelection, candidate_layouts
@@ -56,74 +55,51 @@ class PlanTuner:
         self._selection: PlanSelection | None = None  # running once calibration is over
         self._ready: list[list[float]] = []  # per measured iteration: each gradient's time from the first
         self._buckets: list[list[BucketTiming]] = []
-        # The iteration being measured, as clock stamps read at its end: its origin; when each
-        # gradient was ready; per bucket (bytes, gradients, launch stamp, completion stamp, seconds
-        # the launch took on backward's thread); per bucket in the same order, its work's (start, end).
-        self._origin: Stamp | None = None
-        self._current_ready: list[Stamp | None] = []
-        self._current_buckets: list[tuple[int, int, Stamp, Stamp, float]] = []
-        self._current_finalize: list[tuple[Stamp, Stamp]] = []
+        # The iteration being measured: the stamps the fence takes for it (read at its end), and the
+        # layout it runs (how many gradients each launched bucket holds).
+        self._stamps: BucketStamps | None = None
+        self._measured_plan: BucketPlan | None = None
 
     @property
     def measuring(self) -> bool:
-        """A calibration iteration is being measured (the reducer times its launches and finalize work)."""
-        return self._origin is not None
+        """A calibration iteration is being measured (the fence stamps its gradients and buckets)."""
+        return self._stamps is not None
 
-    def start_iteration(self) -> None:
-        """A synchronized backward follows; measure it while calibrating."""
+    def start_iteration(self, in_force: BucketPlan) -> BucketStamps | None:
+        """A synchronized backward of ``in_force`` follows; while calibrating, the stamps the fence is
+        to take for it (else None)."""
         if not self.done and self._selection is None and self._seen < self._iterations:
-            self._origin = self._clock.now()
-            self._current_ready = [None] * len(self._params)
-            self._current_buckets = []
-            self._current_finalize = []
-
-    def gradient_ready(self, index: int) -> None:
-        if self._origin is not None:
-            self._current_ready[index] = self._clock.now()
-
-    def now(self) -> Stamp:
-        """A stamp on this device's clock (the reducer brackets each bucket's finalize work with two)."""
-        return self._clock.now()
-
-    def bucket_launched(self, nbytes: int, tensors: int, started: float, launched: Stamp,
-                        future: torch.futures.Future) -> None:
-        """Note a launch of ``tensors`` gradients stamped ``launched`` that returned ``future``;
-        ``started``: the host time before the launch (called only while measuring)."""
-        host_s = time.perf_counter() - started
-        self._current_buckets.append((nbytes, tensors, launched, self._clock.done(future), host_s))
-
-    def bucket_finalized(self, reduced: Stamp, worked: Stamp) -> None:
-        """The next launched bucket's work after its reduction ran from ``reduced`` to ``worked``
-        (called only while measuring)."""
-        self._current_finalize.append((reduced, worked))
+            self._stamps, self._measured_plan = BucketStamps(self._clock, len(self._params)), in_force
+        return self._stamps
 
     def end_iteration(self) -> None:
         """Every bucket was completed (finalize); keep this iteration's timings if measured."""
         self._ended = True
-        origin = self._origin
-        if origin is None:
+        stamps, plan = self._stamps, self._measured_plan
+        if stamps is None or plan is None:
             return
 
-        def read(stamps: list[Stamp]) -> list[float]:
-            return self._clock.seconds(origin, stamps)
+        def read(taken: list[Stamp]) -> list[float]:
+            return self._clock.seconds(stamps.origin, taken)
 
-        buckets, finalize = self._current_buckets, self._current_finalize
-        marked = [i for i, stamp in enumerate(self._current_ready) if stamp is not None]
+        launches = stamps.launches
+        marked = [i for i, stamp in enumerate(stamps.ready) if stamp is not None]
         ready = [math.nan] * len(self._params)
-        stamps = [cast(Stamp, self._current_ready[i]) for i in marked]
-        for i, seconds in zip(marked, read(stamps), strict=True):
+        for i, seconds in zip(marked, read([cast(Stamp, stamps.ready[i]) for i in marked]), strict=True):
             ready[i] = seconds
-        launched, finished = read([b[2] for b in buckets]), read([b[3] for b in buckets])
-        starts, ends = read([f[0] for f in finalize]), read([f[1] for f in finalize])
+        launched, finished = read([b.launched for b in launches]), read([b.done for b in launches])
+        worked = [b.bucket for b in launches if b.bucket in stamps.consumed]
+        starts = read([stamps.completed[b] for b in worked])
+        ends = read([stamps.consumed[b] for b in worked])
         work = [end - start for start, end in zip(starts, ends, strict=True)]
-        work += [0.0] * (len(buckets) - len(work))
+        work += [0.0] * (len(launches) - len(work))
         first = min((t for t in ready if not math.isnan(t)), default=0.0)
         self._ready.append([t - first for t in ready])
         self._buckets.append([
-            BucketTiming(n, start, max(done, start), host_s, tensors, seconds)
-            for (n, tensors, _, _, host_s), start, done, seconds in zip(buckets, launched, finished, work, strict=False)
+            BucketTiming(b.nbytes, start, max(done, start), b.host_seconds, len(plan.buckets[b.bucket]), seconds)
+            for b, start, done, seconds in zip(launches, launched, finished, work, strict=False)
         ])
-        self._origin = None
+        self._stamps = self._measured_plan = None
         self._seen += 1
 
     def shadow_iteration(self) -> None:
@@ -134,11 +110,11 @@ class PlanTuner:
 
     def restored(self) -> None:
         """A checkpoint's layout is in force: nothing is measured or selected any more."""
-        self.done, self._selection, self._origin = True, None, None
+        self.done, self._selection, self._stamps = True, None, None
 
     def discard_iteration(self) -> None:
         """The iteration failed: forget its partial timings."""
-        self._origin = None
+        self._stamps = None
         if self._selection is not None:
             self._selection.interrupted()
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from overlapddp.bucket.consumer import ReducedBucket
 from overlapddp.optim.unscaler import BucketUnscaler
 from overlapddp.reducer import Reducer
 from overlapddp.torch_compat import foreach_mul_, foreach_norm
@@ -27,7 +28,10 @@ PER_PARAMETER_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW
 
 
 class OverlappedOptimizer:
-    """Runs ``optimizer``'s update of each bucket right after the bucket is reduced."""
+    """Runs ``optimizer``'s update of each bucket right after the bucket is reduced: a consumer of
+    reduced buckets (bucket/consumer.py), attached after the copy into ``param.grad``."""
+
+    name = "overlapped update"
 
     def __init__(
         self,
@@ -67,13 +71,13 @@ class OverlappedOptimizer:
         # clip_grad_norm_ or GradScaler.unscale_) could not be honored and is reported at step().
         self._versions: list[tuple[torch.Tensor, int]] = []
         # Optimizer.step is typed with overloads (closure or none); the overlapped step takes the closure only.
+        reducer.attach(self)
         optimizer.step = self._step  # type: ignore[method-assign, assignment]
-        reducer.set_reduction_callbacks(self._bucket_reduced, self._finish)
 
     def detach(self) -> None:
         """Give the optimizer its own ``step()`` back and stop updating during backward."""
+        self._reducer.detach(self)
         self.optimizer.step = self._update  # type: ignore[method-assign]
-        self._reducer.set_reduction_callbacks(None, None)
         if self._unscaler is not None:
             self._unscaler.detach()
 
@@ -82,8 +86,10 @@ class OverlappedOptimizer:
         """Clipping and loss scaling need every bucket before any update may run."""
         return self.max_grad_norm is not None or self._unscaler is not None
 
-    def _bucket_reduced(self, params: list[torch.Tensor]) -> None:
-        """One bucket is reduced: unscale it, measure it, or update it, as the options allow."""
+    def take(self, bucket: ReducedBucket) -> None:
+        """One bucket is reduced and its gradients written: unscale it, measure it, or update it, as
+        the options allow."""
+        params = bucket.params
         if self._unscaler is not None:
             self._unscaler.unscale(params)
         if self.max_grad_norm is not None:
@@ -117,7 +123,11 @@ class OverlappedOptimizer:
             for p, norm in zip(grads, foreach_norm([p.grad for p in grads], self.norm_type), strict=True):
                 self._norms[id(p)] = norm
 
-    def _finish(self) -> None:
+    def abandoned(self) -> None:
+        """The iteration was dropped: the norms measured for it go with it."""
+        self._norms = {}
+
+    def all_taken(self) -> None:
         """After the last bucket: hand the unscale over to the scaler, clip exactly as ``clip_grad_norm_``
         would, then update unless the scaler found an Inf or NaN (as ``scaler.step`` decides); and
         remember every gradient's version to catch later in-place changes."""
