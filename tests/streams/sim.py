@@ -8,7 +8,8 @@ of stream ``t``) when ``t`` is ``s`` or ``s``'s clock holds ``t`` at ``n`` or mo
 The host is a stream too (``host``): its clock is what the host has seen finish (an event's or a
 stream's ``synchronize``, ``torch.cuda.synchronize()``, a blocking copy to the host, a gloo work
 waited on), and every device stream merges it before each access, since work enqueued after the
-host saw something finish (or did something) runs after it.
+host saw something finish (or did something) runs after it. The clocks themselves are the race
+detector's (``overlapddp/sanitize/clocks.py``): one model of completion for both.
 
 Memory is tagged where it lives: ``device`` (every tensor by default: the scenarios' CPU tensors
 stand in for CUDA ones), ``pinned`` (``pin_memory=True``, ``.pin_memory()``) or ``host`` (pageable:
@@ -52,6 +53,8 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from overlapddp.sanitize.clocks import StreamClocks
 
 HOST_SYNCS = {"aten._local_scalar_dense.default"}
 DEVICE, PINNED, HOST = "device", "pinned", "host"
@@ -115,9 +118,13 @@ class SimStream:
         self.sim = sim
         self.name = name
         self.stream_id = name
-        self.clock: dict[str, int] = {name: 0}
         self.device = torch.device("cpu")
         self.op_start = 0  # this stream's own tick before its last op began (an event recorded earlier)
+
+    @property
+    def clock(self) -> dict[str, int]:
+        """This stream's clock in the sim's (and the race detector's) one model of completion."""
+        return self.sim.clocks.of(self.name)
 
     def wait_event(self, event: "SimEvent") -> None:
         if not self.sim.mutated("wait"):
@@ -197,6 +204,7 @@ class Sim:
 
     def __init__(self, mutant: Mutant | None = None) -> None:
         self.mutant = mutant
+        self.clocks = StreamClocks()  # every stream's vector clock, the host's included
         self.streams: dict[str, SimStream] = {}
         self.default = self.stream("default")
         self.host_stream = self.stream(HOST)
@@ -262,28 +270,24 @@ class Sim:
 
     @_locked
     def merge_host(self, stream: SimStream) -> None:
-        if stream is not self.host_stream:
-            _merge(stream.clock, self.host)
+        self.clocks.merge_host(stream.name)
 
     @_locked
     def tick(self, stream: SimStream) -> int:
-        self.merge_host(stream)
-        stream.clock[stream.name] = stream.clock.get(stream.name, 0) + 1
-        return stream.clock[stream.name]
+        return self.clocks.tick(stream.name)
 
     @_locked
     def wait_event(self, stream: SimStream, event: SimEvent) -> None:
         if event.clock is not None:
-            _merge(stream.clock, event.clock)
+            self.clocks.wait(stream.name, event.clock)
 
     @_locked
     def wait_stream(self, stream: SimStream, other: SimStream) -> None:
-        self.merge_host(other)
-        _merge(stream.clock, other.clock)
+        self.clocks.wait_stream(stream.name, other.name)
 
     @_locked
     def host_sees(self, clock: dict[str, int]) -> None:
-        _merge(self.host, clock)
+        self.clocks.host_sees(clock)
 
     def synchronize(self) -> None:
         if self.mutated("wait"):
@@ -291,9 +295,8 @@ class Sim:
         for stream in list(self.streams.values()):
             self.host_sees(stream.clock)
 
-    @staticmethod
-    def _after(stream: SimStream, access: Access) -> bool:
-        return access.stream == stream.name or stream.clock.get(access.stream, 0) >= access.tick
+    def _after(self, stream: SimStream, access: Access) -> bool:
+        return self.clocks.ordered_after(stream.name, access.stream, access.tick)
 
     # -- storages ---------------------------------------------------------------------------------
 
@@ -417,12 +420,6 @@ class Sim:
         text = f"{self.context}: {message}" if self.context else message
         if text not in self.findings:
             self.findings.append(text)
-
-
-def _merge(into: dict[str, int], other: dict[str, int]) -> None:
-    for name, tick in other.items():
-        if into.get(name, 0) < tick:
-            into[name] = tick
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
