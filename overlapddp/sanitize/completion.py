@@ -203,7 +203,7 @@ class Collectives:
         for candidate in ([tensor] if tensor is not None else []) + held:
             named = self.names.named(candidate)
             if named is not None:
-                return f"{named} ({describe(candidate)})"
+                return f"{named[0]} ({describe(named[1])})"
         shown = tensor if tensor is not None else (held[0] if held else None)
         return describe(shown) if shown is not None else entry.shape
 

@@ -37,24 +37,23 @@ class Names:
                 if param.grad is not None:
                     yield f"{name}.grad", param.grad
 
-    def named(self, tensor: torch.Tensor) -> str | None:
-        """``net.0.weight.grad``, ``part of net.0.weight.grad``, ``a buffer holding a.grad, b.grad``, or
-        None when no parameter or gradient of a seen module shares a byte with ``tensor``."""
+    def named(self, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        """(``net.0.weight.grad``, that gradient), (``part of net.0.weight.grad``, it), (``a buffer holding
+        a.grad, b.grad``, ``tensor``), or None when no parameter or gradient of a seen module shares a byte
+        with ``tensor``."""
         span = span_of(tensor)
         if span is None:
             return None
-        exact: list[str] = []
-        overlapping: list[str] = []
+        overlapping: list[tuple[str, torch.Tensor]] = []
         for name, held in self._named_memory():
             other = span_of(held)
-            if other is None or not other.overlaps(span) or name in overlapping:
+            if other is None or not other.overlaps(span) or any(name == n for n, _ in overlapping):
                 continue
-            overlapping.append(name)
             if other == span:
-                exact.append(name)
-        if exact:
-            return exact[0]
+                return name, held
+            overlapping.append((name, held))
         if len(overlapping) <= 1:
-            return f"part of {overlapping[0]}" if overlapping else None
-        return "a buffer holding " + ", ".join(overlapping[:3]) + \
-            (f" and {len(overlapping) - 3} more" if len(overlapping) > 3 else "")
+            return (f"part of {overlapping[0][0]}", overlapping[0][1]) if overlapping else None
+        listed = ", ".join(n for n, _ in overlapping[:3])
+        more = f" and {len(overlapping) - 3} more" if len(overlapping) > 3 else ""
+        return f"a buffer holding {listed}{more}", tensor
