@@ -5,10 +5,13 @@ registered with the manager, and every refusal. (tests/test_torchft.py runs real
 from __future__ import annotations
 
 import copy
+import gc
 import subprocess
 import sys
 import threading
 import time
+import weakref
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -80,8 +83,8 @@ def _local_grads(net: nn.Module, inputs: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _four_buckets(manager: StandInManager, hook: Any = None) -> ours.DistributedDataParallel:
-    """Each parameter in its own bucket (a one-byte cap) once rebuilt after a first backward (one
-    bucket, as in DDP); what that backward sent is forgotten."""
+    """Each parameter in its own bucket (a one-byte cap), after a first backward whose sends are
+    forgotten."""
     model = ours.DistributedDataParallel(manager, _net(), bucket_cap_mb=1e-6)
     if hook is not None:
         model.register_comm_hook(None, hook)
@@ -149,14 +152,30 @@ def test_an_error_in_the_completion_reaches_backward() -> None:
         model(torch.randn(2, 6)).sum().backward()
 
 
-def test_the_bucket_layout_is_registered_with_the_manager_under_its_key() -> None:
-    manager = StandInManager()
-    model = ours.DistributedDataParallel(manager, _net())
-    other = ours.DistributedDataParallel(manager, _net(), bucket_state_key="second")
-    assert manager.registered == {
-        "overlapddp.bucket_state": (model.load_bucket_state, model.bucket_state),
-        "second": (other.load_bucket_state, other.bucket_state),
-    }
+def _mlp(width: int, depth: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"bucket_cap_mb": 1 / 1024}, {"bucket_cap_mb": 1},
+                                    {"bucket_cap_mb_list": [0.5, 2]}], ids=["default", "1KiB", "1MiB", "list"])
+def test_the_layout_is_torchfts_ddps_and_stays_so_nothing_travels_with_the_state(kwargs: dict[str, Any]) -> None:
+    """Each bucket's parameters, in launch order, equal torchft's DDP's (DDP's find_unused_parameters
+    layout), before and after backwards (DDP would rebuild after the first): a recovering replica's
+    first buckets are its peers'. No state is registered with the manager for it."""
+    from torchft import DistributedDataParallel as TorchftDDP
+
+    for width, depth in ((24, 3), (512, 8), (1024, 3)):
+        manager = StandInManager()
+        model = ours.DistributedDataParallel(manager, _mlp(width, depth), **kwargs)
+        theirs = TorchftDDP(StandInManager(), _mlp(width, depth), **kwargs)
+        expected = theirs._get_ddp_logging_data()["bucket_sizes"]  # bytes per bucket, in launch order
+        for _ in range(3):
+            sizes = [sum(model.module.get_parameter(model._reducer.names[i]).numel() * 4 for i in bucket)
+                     for bucket in model.bucket_indices()]
+            assert ", ".join(map(str, sizes)) == expected, (width, depth, sizes, expected)
+            model(torch.randn(2, width)).sum().backward()
+        assert manager.registered == {}
 
 
 def test_a_compression_hook_is_registered_once_and_before_the_first_backward() -> None:
@@ -212,11 +231,6 @@ def test_the_manager_and_the_module_are_checked_first() -> None:
         ours.DistributedDataParallel(StandInManager(), 3)
 
 
-def test_an_async_quorum_is_refused_and_a_manager_without_the_attribute_is_not_checked() -> None:
-    with pytest.raises(ValueError, match="a Manager with use_async_quorum=True is not supported"):
-        ours.DistributedDataParallel(StandInManager(_use_async_quorum=True), _net())
-    ours.DistributedDataParallel(StandInManager(_use_async_quorum=False), _net())
-    ours.DistributedDataParallel(StandInManager(), _net())
 
 
 def test_unknown_arguments_are_named_with_the_accepted_ones() -> None:
@@ -237,21 +251,24 @@ def test_refused_options_name_themselves_and_defaults_pass() -> None:
         ("bucket_plan", "tuned", "bucket_plan='tuned'"),
         ("bucket_plan", "auto", "bucket_plan='auto'"),  # sorts before 'ddp': refused here, not by OverlapDDP
         ("process_group", object(), "process_group"),
+        ("find_unused_parameters", False, "find_unused_parameters=False"),
+        ("static_graph", True, "static_graph=True"),
     ):
         with pytest.raises(ValueError, match=rf"torchft: {shown} is not supported: {ours.REFUSED[name][:30]}"):
             ours.DistributedDataParallel(StandInManager(), net, **{name: value})
-    ours.DistributedDataParallel(StandInManager(), net, bucket_plan="ddp", process_group=None, device_mesh=None)
+    ours.DistributedDataParallel(StandInManager(), net, bucket_plan="ddp", process_group=None, device_mesh=None,
+                                 find_unused_parameters=True, static_graph=False)
     read_from_a_config = "".join(["dd", "p"])  # equal to the default, not the same object
     ours.DistributedDataParallel(StandInManager(), net, bucket_plan=read_from_a_config)
 
 
-def test_arguments_go_by_keyword_as_ddps_and_the_guards() -> None:
-    model = ours.DistributedDataParallel(manager=StandInManager(), module=_net(), bucket_state_key="mine")
-    assert "mine" in model.manager.registered
+def test_arguments_go_by_keyword_as_torchfts_ddps_and_the_guards() -> None:
+    model = ours.DistributedDataParallel(manager=StandInManager(), module=_net(), bucket_cap_mb=1)
+    assert model.bucket_bytes_cap == 2**20
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     assert isinstance(model.attach_optimizer(optimizer=sgd), OptimizerGuard)
-    with pytest.raises(TypeError):  # the key is keyword-only: a third positional is a mistake
-        ours.DistributedDataParallel(StandInManager(), _net(), "mine")
+    with pytest.raises(TypeError):  # DDP's arguments by keyword only, as torchft's DDP: a third positional is a mistake
+        ours.DistributedDataParallel(StandInManager(), _net(), [0])
 
 
 def test_a_group_of_several_ranks_gives_each_rank_a_group_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -264,11 +281,56 @@ def test_a_group_of_several_ranks_gives_each_rank_a_group_of_its_own(monkeypatch
     assert made == [1]
 
 
-def test_the_completion_thread_does_not_keep_the_process_alive() -> None:
-    """Its state alive at exit (a model in a global), the interpreter still ends: the thread is a daemon."""
-    script = ("from overlapddp.integrations.torchft import ManagerReduction\n"
-              "kept = ManagerReduction(object())\n")
-    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+# Run in a fresh interpreter: its first exit function, so the last to run, fails the process (exit 3)
+# if a completion thread is still alive then; the model stays alive at exit (a global, as in a script).
+_EXIT_SCRIPT = """
+import atexit, os, threading
+atexit.register(lambda: any(t.name == "overlapddp-torchft-completion" for t in threading.enumerate()) and os._exit(3))
+import torch
+from tests.test_torchft_unit import StandInManager, _net
+from overlapddp.integrations.torchft import DistributedDataParallel
+model = DistributedDataParallel(StandInManager(delay_s=0.3), _net(), bucket_cap_mb=1e-6)
+model(torch.randn(2, 6)).sum().backward()
+model._manager_reduction.launch(torch.zeros(3))  # a bucket still in flight at exit
+"""
+
+
+def test_the_completion_thread_is_joined_before_the_interpreter_is_torn_down() -> None:
+    """[Note: a clean exit]: stopped from atexit and joined once the bucket still in flight is
+    complete; and the process ends (the thread never keeps it alive)."""
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], cwd=root, timeout=120, capture_output=True, text=True)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+
+
+def test_no_work_is_held_once_its_bucket_is_complete() -> None:
+    """The completion thread keeps no collective's work while it waits for the next bucket (else the
+    last one would be freed on it at exit: see [Note: a clean exit])."""
+    manager = StandInManager()
+    made: list[weakref.ref] = []
+    launch = manager.allreduce
+
+    def recorded(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        work = launch(tensor)
+        made.append(weakref.ref(work))
+        return work
+
+    manager.allreduce = recorded  # type: ignore[method-assign]
+    model = _four_buckets(manager)
+    model(torch.randn(2, 6)).sum().backward()
+    deadline = time.monotonic() + 10
+    while any(ref() is not None for ref in made) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(made) == 8 and all(ref() is None for ref in made), [ref() for ref in made]  # two backwards
+
+
+def test_the_completion_thread_ends_with_its_wrapper() -> None:
+    model = _four_buckets(StandInManager())
+    stop = model._manager_reduction.stop
+    assert stop.alive
+    del model
+    gc.collect()
+    assert not stop.alive  # the finalizer ran: the thread was told to stop, and joined
 
 
 def test_sparse_embeddings_are_listed_and_dense_ones_pass() -> None:

@@ -1,19 +1,22 @@
 """Replica groups for the torchft tests: one spawned process per replica group, driven by a fault plan.
 
-Each replica process trains two variants side by side, each on its own lighthouse and manager:
-``ours`` (overlapddp's torchft wrapper: model A, whose rebuilt bucket layout equals its initial one,
-and model B, whose rebuilt layout differs) and ``ref`` (torchft's own DDP on model A). Each step is two
-micro-batches, the first under ``no_sync()``. One round runs one committed step of ``ours``, then
-one of ``ref``; a fault planned for ``ours`` at a step hits the
-replica in that step's backward, after its first buckets were launched:
+Each replica process trains four variants side by side, each on its own lighthouse and manager:
+``ours`` (overlapddp's torchft wrapper) and ``ref`` (torchft's own DDP) with the Manager's default
+asynchronous quorum, and ``ours_sync`` and ``ref_sync`` with ``use_async_quorum=False``; each wraps
+model A (one parameter per bucket) and model B (several parameters per bucket). Each step is two
+micro-batches, the first under ``no_sync()``. One round runs one committed step of each variant, in
+that order; a fault planned for ``ours`` at a step hits the replica in that step's backward, after
+its first buckets were launched:
 
 - ``kill``: the replica SIGKILLs itself (the parent restarts it, see ``restart``);
 - ``hang``: it sleeps past every timeout (the parent kills it once the others are done).
 
-``ref`` sees the same replicas go, at the same step: a replica that dies or hangs in ``ours`` never
-reaches ``ref``'s step. A restarted replica rejoins both variants at step ``rejoin``: the others
-wait there, in the step's files under ``scratch``, until it has asked the lighthouse for a quorum
-(so both variants' quorums of that step include it, whatever the machine's load).
+The other variants see the same replicas go, at the same step: a replica that dies or hangs in
+``ours`` never reaches their step. A restarted replica rejoins every variant at step ``rejoin``:
+the others wait there, in the step's files under ``scratch``, until it has asked the lighthouse for
+a quorum (so every variant's quorum of that step includes it, whatever the machine's load). With
+the asynchronous quorum it heals during that step and applies its peers' state in
+``should_commit()``, after its first backward; with the synchronous one, before its forward.
 
 Every attempt is logged (variant, step, participants, committed), and each replica that finishes
 writes its final parameters; the test compares them.
@@ -67,21 +70,24 @@ class Plan:
         return Plan(**raw)
 
 
+VARIANTS = {"ours": True, "ref": True, "ours_sync": False, "ref_sync": False}  # name: use_async_quorum
+OURS = {"ours": "ref", "ours_sync": "ref_sync"}  # each of ours, and the torchft DDP it must equal
+
+
 def model_a() -> nn.Module:
-    """Reduced one parameter per bucket (``A_KWARGS``), in every layout: so torchft's DDP, which never
-    rebuilds its buckets, and ours, which does, sum every element in the same order."""
+    """Reduced one parameter per bucket (``A_KWARGS``)."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
 
 
 def model_b() -> nn.Module:
-    """With a 1 KB cap: one bucket for the first backward (as in DDP), two once rebuilt."""
+    """With a 1 KB cap: three buckets, two of them with several parameters (DDP without
+    find_unused_parameters would reduce one bucket in its first backward, two once rebuilt)."""
     torch.manual_seed(1)
     return nn.Sequential(nn.Linear(32, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 8))
 
 
-# A cap of one byte: each parameter its own bucket, initially and after the rebuild (a cap list is
-# DDP's for both; with find_unused_parameters, as torchft's DDP forces, DDP uses it too).
+# A cap of one byte: each parameter its own bucket.
 A_KWARGS: dict[str, Any] = {"bucket_cap_mb_list": [1 / 2**20]}
 B_KWARGS: dict[str, Any] = {"bucket_cap_mb": 1 / 1024}
 
@@ -103,25 +109,21 @@ class Variant:
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timedelta(seconds=TIMEOUT_S)), min_replica_size=2,
-            load_state_dict=self._load, state_dict=self._save, use_async_quorum=False, init_sync=False,
+            load_state_dict=self._load, state_dict=self._save, use_async_quorum=VARIANTS[name], init_sync=False,
             replica_id=f"replica_{replica}", store_addr="127.0.0.1", store_port=self.store.port, rank=0,
             world_size=1, lighthouse_addr=lighthouse, hostname="127.0.0.1",
             timeout=timedelta(seconds=TIMEOUT_S), quorum_timeout=timedelta(seconds=60),
             connect_timeout=timedelta(seconds=30),
         )
-        if name == "ours":
-            from overlapddp.integrations.torchft import DistributedDataParallel
-
-            for key, build, kwargs in (("a", model_a, A_KWARGS), ("b", model_b, B_KWARGS)):
-                wrapped = DistributedDataParallel(self.manager, build(), bucket_state_key=f"buckets_{key}", **kwargs)
-                self.models[key] = wrapped
-                self.optimizers[key] = torch.optim.SGD(wrapped.parameters(), lr=LR)
-                wrapped.attach_optimizer(self.optimizers[key])  # the guard: steps only on reduced gradients
+        if name in OURS:
+            from overlapddp.integrations.torchft import DistributedDataParallel as wrapper
         else:
-            from torchft import DistributedDataParallel as TorchftDDP
-
-            self.models["a"] = TorchftDDP(self.manager, model_a(), **A_KWARGS)
-            self.optimizers["a"] = torch.optim.SGD(self.models["a"].parameters(), lr=LR)
+            from torchft import DistributedDataParallel as wrapper
+        for key, build, kwargs in (("a", model_a, A_KWARGS), ("b", model_b, B_KWARGS)):
+            self.models[key] = wrapper(self.manager, build(), **kwargs)
+            self.optimizers[key] = torch.optim.SGD(self.models[key].parameters(), lr=LR)
+            if name in OURS:
+                self.models[key].attach_optimizer(self.optimizers[key])  # the guard: steps only on reduced gradients
 
     def _save(self) -> dict[str, Any]:
         return {k: (m.module.state_dict(), self.optimizers[k].state_dict()) for k, m in self.models.items()}
@@ -132,18 +134,20 @@ class Variant:
             self.optimizers[k].load_state_dict(optim)
 
     def step_once(self, fault: str | None, log: list[dict[str, Any]]) -> bool:
-        self.manager.start_quorum()  # synchronous quorum: a recovering replica heals here, before forward
+        # Synchronous quorum: a recovering replica heals here, before forward. Asynchronous: the quorum
+        # runs during the forward, and a recovering replica's own step (its batch) does not count.
+        self.manager.start_quorum()
         for optimizer in self.optimizers.values():
             optimizer.zero_grad()
-        step = self.manager.current_step()
-        inputs, target = batch(self.replica, step)
+        inputs, target = batch(self.replica, self.manager.current_step())
         for key, model in self.models.items():
             with model.no_sync():  # two micro-batches: the first accumulated locally
                 nn.functional.mse_loss(model(inputs[:8]), target[:8]).backward()
             if fault is not None and key == "a":
                 _plant_fault(model.module, fault)
             nn.functional.mse_loss(model(inputs[8:]), target[8:]).backward()
-        participants = self.manager.num_participants()
+        participants = self.manager.num_participants()  # waits for the quorum
+        step = self.manager.current_step()
         committed = self.manager.should_commit()
         if committed or not self.plan.check_commit:
             for optimizer in self.optimizers.values():
@@ -188,7 +192,7 @@ def replica_main(replica: int, lighthouses: dict[str, str], plan_json: str, scra
     plan = Plan.from_json(plan_json)
     out = Path(scratch)
     log: list[dict[str, Any]] = []
-    variants = [Variant(name, replica, lighthouses[name], plan) for name in ("ours", "ref")]
+    variants = [Variant(name, replica, lighthouses[name], plan) for name in VARIANTS]
     if not restarted:  # every replica heartbeats before the first quorum, so that it has them all
         (out / f"started_{replica}").touch()
         for r in range(plan.replicas):

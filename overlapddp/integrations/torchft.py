@@ -4,12 +4,12 @@
 
     from overlapddp.integrations.torchft import DistributedDataParallel   # instead of torchft's
 
-    manager = torchft.Manager(pg=torchft.ProcessGroupGloo(), min_replica_size=2, use_async_quorum=False,
+    manager = torchft.Manager(pg=torchft.ProcessGroupGloo(), min_replica_size=1,
                               load_state_dict=load, state_dict=save)
-    model = DistributedDataParallel(manager, net, bucket_cap_mb=25)
+    model = DistributedDataParallel(manager, net)
     optimizer = torchft.Optimizer(manager, torch.optim.SGD(model.parameters(), lr=0.1))
 
-    optimizer.zero_grad()        # starts the step's quorum
+    optimizer.zero_grad()        # starts the step's quorum (during the forward, by default)
     loss_fn(model(x), y).backward()
     optimizer.step()             # steps only if manager.should_commit()
 
@@ -18,11 +18,12 @@ a division by its number of participants). The hook returns a future at once, so
 while backward goes on; OverlapDDP's fence completes them at the end of backward, where a failed or
 timed-out collective has already been reported to the manager (``should_commit()`` is then False on
 every replica whose collective failed). Across replica groups, OverlapDDP's own work (construction,
-buffer broadcast, bucket rebuild) runs in a process group of this rank alone.
+buffer broadcast) runs in a process group of this rank alone.
 
-The bucket layout travels with the state the manager sends to a recovering replica (registered with
-``manager.register_state_dict_fn`` under ``bucket_state_key``), so a replica that heals adopts its
-peers' layout before its first forward, and ``find_unused_parameters`` is not needed for that.
+The bucket layout never changes, and is DDP's layout for ``find_unused_parameters=True`` (as in
+torchft's DDP, which forces it): it follows from the model and the arguments alone. With the
+Manager's default ``use_async_quorum=True`` a recovering replica receives its peers' state only in
+``should_commit()``, after its first backward, so its first buckets must already be its peers'.
 The options that cannot go through the manager are refused by name: see ``REFUSED``.
 """
 
@@ -49,8 +50,15 @@ from overlapddp.shard.optimizer import ShardedOptimizer
 from overlapddp.wrapper import OverlapDDP
 
 # The arguments this wrapper refuses, and why: each would reduce across replicas outside the
-# manager (so a dead peer hangs it and its failure never reaches should_commit), or make the
-# replicas' layouts differ.
+# manager (so a dead peer hangs it and its failure never reaches should_commit), or let the bucket
+# layout change, which a recovering replica could not follow (see the module's docstring). None of
+# them works with torchft's own DDP either: it passes process_group and find_unused_parameters
+# itself, its comm hook is the only one DDP accepts, and its process group reaches no other replica.
+_LAYOUT_CHANGES = (
+    "a recovering replica receives its peers' state only in should_commit(), after its first backward "
+    "(with the Manager's default use_async_quorum=True), so every replica must reduce with the layout it "
+    "built from the model; "
+)
 REFUSED = {
     "process_group": "the manager owns the process group across replica groups (pass it to Manager(pg=...))",
     "device_mesh": "the manager owns the process group across replica groups (pass it to Manager(pg=...))",
@@ -63,10 +71,20 @@ REFUSED = {
     ),
     "param_to_hook_all_reduce": "it only goes with delay_all_reduce_named_params, which is refused",
     "bucket_plan": (
-        "bucket_plan='tuned' picks a layout from each replica's own timings, so replicas could pick different "
-        "layouts; only the default 'ddp' is accepted"
+        _LAYOUT_CHANGES + "bucket_plan='tuned' changes the layout after a few iterations, from each replica's own "
+        "timings; only the default 'ddp' is accepted"
+    ),
+    "find_unused_parameters": (
+        _LAYOUT_CHANGES + "DDP keeps its first layout only while it searches unused parameters each forward "
+        "(torchft's DDP forces find_unused_parameters=True for this), so True is the only value"
+    ),
+    "static_graph": (
+        _LAYOUT_CHANGES + "DDP rebuilds the buckets of a static graph after its second iteration (torchft's DDP "
+        "too)"
     ),
 }
+# The one value each of these may be given (None, the default, is accepted for every name).
+_ACCEPTED: dict[str, object] = {"bucket_plan": "ddp", "find_unused_parameters": True, "static_graph": False}
 _COMPRESSION: dict[object, torch.dtype] = {
     default_hooks.fp16_compress_hook: torch.float16,
     default_hooks.bf16_compress_hook: torch.bfloat16,
@@ -89,16 +107,19 @@ class _InFlight(NamedTuple):
 
 class ManagerReduction:
     """The comm hook's state: the manager, the dtype buckets are sent in (None: their own), and the
-    thread that completes the buckets' futures."""
+    thread that completes the buckets' futures (see [Note: a clean exit])."""
 
     def __init__(self, manager: Manager) -> None:
         self.manager = manager
         self.wire_dtype: torch.dtype | None = None
         self.started = False  # set by the first bucket's hook; the dtype is fixed from then on
+        # Put by the hook (autograd's thread), taken by the completion thread; None stops it.
         self._launched: queue.SimpleQueue[_InFlight | None] = queue.SimpleQueue()
-        threading.Thread(target=_complete_in_order, args=(self._launched,), daemon=True,
-                         name="overlapddp-torchft-completion").start()
-        weakref.finalize(self, self._launched.put, None)  # the thread ends with this state
+        thread = threading.Thread(target=_complete_in_order, args=(self._launched,), daemon=True,
+                                  name="overlapddp-torchft-completion")
+        thread.start()
+        # Runs when this state is collected or, at the latest, at interpreter exit (atexit).
+        self.stop = weakref.finalize(self, _stop_and_join, self._launched, thread)
 
     def launch(self, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
         self.started = True
@@ -111,8 +132,24 @@ class ManagerReduction:
         return future
 
 
+def _stop_and_join(launched: queue.SimpleQueue, thread: threading.Thread) -> None:
+    """Let the completion thread finish the buckets already launched, then end it, and wait for it.
+
+    [Note: a clean exit]
+    A collective's work must be freed while the interpreter is whole: gloo's work, released by a
+    thread that the interpreter's teardown wakes, aborts the process ("terminate called without an
+    active exception"). So the completion thread drops each work as soon as its bucket is complete
+    (it holds none while it waits for the next), and it is stopped and joined when its state goes or
+    at exit, from ``atexit`` (``weakref.finalize``), before teardown. The join waits for the buckets
+    still in flight, each bounded by the manager's collective timeout.
+    """
+    launched.put(None)
+    if thread is not threading.current_thread():
+        thread.join()
+
+
 def _complete_in_order(launched: queue.SimpleQueue) -> None:
-    """Wait for each launched bucket on this thread, in launch order, and set its future.
+    """Complete each launched bucket on this thread, in launch order, until told to stop.
 
     [Note: why a thread waits]
     The manager's work divides by the participants and reports errors in callbacks that it arms
@@ -124,15 +161,24 @@ def _complete_in_order(launched: queue.SimpleQueue) -> None:
     On CUDA this thread runs on the stream the work was made on: torchft's ``wait()`` asserts it, and
     queues its waits and division there, after which the copy back and the future's event go.
     """
-    while (item := launched.get()) is not None:
-        try:
-            with contextlib.nullcontext() if item.kit is None else item.kit.use(item.stream):
-                item.work.wait()
-                if item.sent is not item.buffer:
-                    item.buffer.copy_(item.sent)  # back from the wire dtype (DDP's decompression)
-                item.future.set_result(item.buffer)
-        except Exception as error:  # the manager's own wait reports collective errors; this is ours
-            item.future.set_exception(error)
+    while _complete_next(launched):
+        pass  # each bucket lives in _complete_next's frame only (see [Note: a clean exit])
+
+
+def _complete_next(launched: queue.SimpleQueue) -> bool:
+    """Wait for the next launched bucket and set its future; False once told to stop."""
+    item: _InFlight | None = launched.get()
+    if item is None:
+        return False
+    try:
+        with contextlib.nullcontext() if item.kit is None else item.kit.use(item.stream):
+            item.work.wait()
+            if item.sent is not item.buffer:
+                item.buffer.copy_(item.sent)  # back from the wire dtype (DDP's decompression)
+            item.future.set_result(item.buffer)
+    except Exception as error:  # the manager's own wait reports collective errors; this is ours
+        item.future.set_exception(error)
+    return True
 
 
 def manager_allreduce_hook(state: ManagerReduction, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -147,21 +193,18 @@ manager_allreduce_hook.issues_one_collective = True  # type: ignore[attr-defined
 class DistributedDataParallel(OverlapDDP):
     """OverlapDDP whose buckets are reduced by a torchft ``Manager``; torchft's DDP's arguments.
 
-    ``ddp_kwargs`` are DDP's keyword arguments (those in ``REFUSED`` raise, naming why).
-    ``bucket_state_key`` names the entry of the manager's transferred state that carries the
-    bucket layout; give each wrapper on one manager its own.
+    ``ddp_kwargs`` are DDP's keyword arguments (those in ``REFUSED`` raise, naming why). As in
+    torchft's DDP, unused parameters are searched each forward, which keeps DDP's first bucket
+    layout for good (see the module's docstring).
     """
 
-    def __init__(
-        self, manager: Manager, module: nn.Module, *, bucket_state_key: str = "overlapddp.bucket_state",
-        **ddp_kwargs: Any,
-    ) -> None:
+    def __init__(self, manager: Manager, module: nn.Module, **ddp_kwargs: Any) -> None:
         _check_arguments(manager, module, ddp_kwargs)
-        super().__init__(module, **{**ddp_kwargs, "process_group": _replica_local_group()})  # replaces a given None
+        fixed = {"process_group": _replica_local_group(), "find_unused_parameters": True}  # replace a given None
+        super().__init__(module, **{**ddp_kwargs, **fixed})
         self.manager = manager
         self._manager_reduction = ManagerReduction(manager)
         super().register_comm_hook(self._manager_reduction, cast(CommHook, manager_allreduce_hook))
-        manager.register_state_dict_fn(bucket_state_key, self.load_bucket_state, self.bucket_state)
 
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Compression through the manager: torch's ``fp16_compress_hook`` and ``bf16_compress_hook``
@@ -224,11 +267,6 @@ def _check_arguments(manager: object, module: object, ddp_kwargs: dict[str, Any]
         )
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}.")
-    # Manager has no public getter for it; a manager without the attribute is not checked.
-    if getattr(manager, "_use_async_quorum", False):
-        _refuse("a Manager with use_async_quorum=True", "a recovering replica applies its peers' state, the bucket "
-                "layout included, only in should_commit(), after its first backward, which would run with another "
-                "layout than its peers' (gloo then fails or aborts); pass use_async_quorum=False to the Manager")
     unknown = sorted(set(ddp_kwargs) - _WRAPPER_ARGUMENTS)
     if unknown:
         raise TypeError(
@@ -237,8 +275,8 @@ def _check_arguments(manager: object, module: object, ddp_kwargs: dict[str, Any]
         )
     for name, why in REFUSED.items():
         given = ddp_kwargs.get(name)
-        if given is not None and not (name == "bucket_plan" and given == "ddp"):
-            _refuse(f"{name}={given!r}" if isinstance(given, str) else name, why)
+        if given is not None and not (name in _ACCEPTED and given == _ACCEPTED[name]):
+            _refuse(f"{name}={given!r}" if isinstance(given, (str, bool)) else name, why)
     sparse = [name for name, m in module.named_modules() if getattr(m, "sparse", False) is True]
     if sparse:
         _refuse(f"sparse gradients ({', '.join(sparse)} have sparse=True)",
