@@ -84,6 +84,7 @@ def _launcher(method: Method, real: Callable[..., Any], observed: _Observed, for
 def _work_patches(observed: _Observed) -> list[tuple[Any, str, Any]]:
     work = dist.Work
     real_wait, real_future, real_completed = work.wait, work.get_future, work.is_completed
+    real_then = torch._C.Future.then  # not yet patched: chaining the forced value observes nothing
 
     def wait(handle: Any, *args: Any, **kwargs: Any) -> Any:
         result = real_wait(handle, *args, **kwargs)
@@ -94,6 +95,9 @@ def _work_patches(observed: _Observed) -> list[tuple[Any, str, Any]]:
         future = real_future(handle)
         entries = observed.get(handle)
         if entries:
+            forced = [e.forced for e in entries if e.forced is not None]
+            if forced:  # its value is the user's tensors, as without --force (force.py)
+                future = real_then(future, forced[0].user_value)
             observed.of[future] = entries
         return future
 

@@ -7,8 +7,9 @@ rank observes completion; then the real result is copied in. A read the detector
 only after completion and gets the same bits as without ``--force``. Autograd's version counters
 are left as they were (the collective's own writes do not bump them either).
 
-A future's value is the private copies: a callback that reads ``fut.value()`` gets the real result,
-and the user's tensor gets it too once the rank observes completion.
+The work's future is chained to one whose value is the user's tensors, as without ``--force`` (a
+PowerSGD hook keeps the value of its all-reduce's future as its state and updates it in place later):
+its ``wait()``, ``value()`` or a ``then`` callback on it is an observation, which delivers the result.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ class Forced:
     """The user's outputs of one collective and the private buffers the collective really writes."""
 
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self._pairs = pairs  # (the user's tensor, its private copy)
+        self._pairs = pairs  # (the user's tensor, its private copy), until the result is delivered
+        self._originals = list(pairs)
         self._lock = threading.Lock()
 
     @classmethod
@@ -55,6 +57,11 @@ class Forced:
         with _disable_current_modes(), torch.no_grad(), preserving_versions(users):
             for user in users:
                 _poison(user)
+
+    def user_value(self, future: Any) -> Any:
+        """``future``'s value (the collective's tensors) with each private copy replaced by the user's tensor."""
+        mine = {id(private): user for user, private in self._originals}
+        return _replace(future.value(), mine)
 
     def deliver(self) -> None:
         """Copy the real result into the user's outputs, once, where the rank observes completion."""

@@ -337,3 +337,11 @@ def _raw(params: list[torch.Tensor]) -> Params:
 def has_nan(params: Params) -> bool:
     """Whether any parameter holds a NaN (``--force`` made a race show in the numbers)."""
     return any(torch.frombuffer(bytearray(raw), dtype=torch.float32).isnan().any().item() for _, raw in params)
+
+
+def bare_and_forced(rank: int, world_size: int, names: list[str]) -> dict[str, tuple[Params, Params, int]]:
+    """Each named loop without the detector, then under ``--force``: both final parameters, and how many
+    findings the forced run had."""
+    bare = run_zoo(rank, world_size, names, bare=True)
+    forced = run_zoo(rank, world_size, names, force=True)
+    return {name: (bare[name][1], forced[name][1], len(forced[name][0])) for name in names}
