@@ -14,30 +14,34 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "overlapddp"
 # overlapddp.integrations sits above every layer: only users import it, and only it imports a framework.
 INTEGRATIONS = PACKAGE / "integrations"
-SUBPACKAGES = {"bucket", "layout", "optim", "shard"}
+SUBPACKAGES = {"bucket", "layout", "optim", "shard", "sanitize"}
 FRAMEWORKS = {"lightning", "pytorch_lightning", "accelerate", "transformers", "ray", "torchft"}
 
 # Lowest first; a module may import only from strictly lower layers.
 # A module of a subpackage is named with its package: ``layout.plan``; ``layout`` is its ``__init__``.
 LAYERS = [
     {"device_streams", "torch_compat", "clock", "backend_support", "options", "frames",
-     "bucket", "layout", "optim", "shard"},  # (the folders' docstrings)
+     "bucket", "layout", "optim", "shard",  # (the folders' docstrings)
+     "sanitize.clocks", "sanitize.collectives", "sanitize.memory"},  # the race detector: apart from the rest
     {"layout.plan", "bucket.storage", "fence", "bucket.comm_hook", "param_usage", "bucket.token_weighting",
      "module_sync", "optim.unscaler", "bucket.sparse_storage", "sync_checks", "progress",
+     "sanitize.findings", "sanitize.streams", "sanitize.names", "sanitize.force",
      "shard.layout", "shard.collectives"},
     {"layout.cost_model", "bucket.comm_hook_validation", "timeline", "delayed_reduction", "mixed_precision",
+     "sanitize.completion",
      "layout.selection", "bucket.reduction", "bucket.gradient_checks", "shard.relayout"},
     {"layout.tuner"},
     # Which layout is in force (initial, DDP's rebuild, tuning, final); how one bucket is reduced.
-    {"layout.lifecycle", "bucket.pipeline"},
+    {"layout.lifecycle", "bucket.pipeline", "sanitize.accesses"},
     {"reducer"},
     {"optim.guard", "optim.overlap", "join", "pickling", "shard.checks"},
     # The adapter between Dynamo's graphs and the wrapper (it knows fx, not module hooks), and the
     # constructor's steps (validate, resolve, synchronize: it reads the nn.Module).
     {"compile_split", "construction"},
     {"shard.optimizer"},  # the optimizer over each rank's shards; it hooks the wrapped module's forward
-    {"wrapper", "shard.checkpoint"},  # (the checkpoint functions read the sharded optimizer)
-    {"testing", "__init__", "sharded_checkpoint"},
+    {"wrapper", "shard.checkpoint",  # (the checkpoint functions read the sharded optimizer)
+     "sanitize.detector"},  # (it hooks every module's forward and DDP's register_comm_hook)
+    {"testing", "__init__", "sharded_checkpoint", "sanitize", "sanitize.__main__"},
 ]
 # Below the wrapper nothing knows nn.Module or module hooks (the reducer is driven by mark_ready).
 BELOW_THE_WRAPPER = set().union(*LAYERS[: LAYERS.index({"compile_split", "construction"})])
