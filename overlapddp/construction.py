@@ -1,7 +1,7 @@
 """What does ``OverlapDDP(module, ...)`` resolve to? The constructor's steps: validate, resolve, synchronize.
 
-:func:`resolve` checks every argument (each feature combination in :data:`_COMBINATIONS`, one
-table) and resolves DDP's arguments to what the wrapper keeps, without any collective, so that a
+:func:`resolve` checks every argument (each feature combination in the one refusal table,
+refusals.py) and resolves DDP's arguments to what the wrapper keeps, without any collective, so that a
 bad argument fails on every rank before any rank waits on another. :func:`synchronize` then runs the
 init-time collectives (DDP's): the delayed parameters' broadcast, the parameter check and the
 broadcast of rank 0's state. The wrapper builds its live parts from the result's recipe, the one way
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from overlapddp.mixed_precision import MixedPrecision
 from overlapddp.module_sync import broadcast_coalesced, broadcast_state, verify_same_parameters
 from overlapddp.options import ReducerOptions
 from overlapddp.pickling import ReducerRecipe
+from overlapddp.refusals import Feature, refuse_pairs
 
 # "ddp": DDP's exact layout (bit-equal at every world size); "tuned": the fastest of a modelled plan
 # (layout/cost_model.py) and DDP's fixed layouts, by measurement (layout/selection.py).
@@ -82,50 +83,17 @@ class Construction:
         return self.trainable[0][1].device
 
 
-@dataclass(frozen=True)
-class _Features:
-    """The flags the combination rules read."""
-
-    args: Arguments
-    delayed: bool
-    sparse_names: list[str]
-
-    @property
-    def tuned(self) -> bool:
-        return self.args.bucket_plan == "tuned"
-
-    @property
-    def dynamic_unused(self) -> bool:
-        return _reducer_options(self.args).searches_unused_each_forward
-
-
-def _mixed_precision_refused(name: str) -> str:
-    return (
-        f"mixed_precision cannot be combined with {name}: gradients change dtype and storage at every "
-        "forward and bucket (a bucket view cannot stay the gradient, a sparse bucket is the gradient; "
-        "unused-parameter search and the delayed all-reduce track the full-precision accumulators)."
-    )
-
-
-# Every feature combination OverlapDDP refuses, checked in this order: (applies, exception, message).
-_COMBINATIONS: list[tuple[Callable[[_Features], bool], type[Exception], Callable[[_Features], str]]] = [
-    (lambda f: f.tuned and bool(f.sparse_names), ValueError, lambda f: (
-        "bucket_plan='tuned' groups gradients into flat buffers, but "
-        f"{', '.join(f.sparse_names)} produce sparse gradients, which DDP's layout "
-        "keeps alone in their buckets; use bucket_plan='ddp'.")),
-    (lambda f: f.tuned and f.dynamic_unused, ValueError, lambda f: (
-        "bucket_plan='tuned' re-plans the buckets after DDP's ready-order rebuild, which "
-        "find_unused_parameters=True never does on a dynamic graph; use bucket_plan='ddp', or "
-        "static_graph=True if the graph does not change.")),
-    (lambda f: f.args.mixed_precision is not None and f.args.gradient_as_bucket_view, ValueError,
-     lambda f: _mixed_precision_refused("gradient_as_bucket_view=True")),
-    (lambda f: f.args.mixed_precision is not None and f.dynamic_unused, ValueError,
-     lambda f: _mixed_precision_refused("find_unused_parameters=True")),
-    (lambda f: f.args.mixed_precision is not None and f.delayed, ValueError,
-     lambda f: _mixed_precision_refused("delay_all_reduce_named_params")),
-    (lambda f: f.args.mixed_precision is not None and bool(f.sparse_names), ValueError,
-     lambda f: _mixed_precision_refused("sparse gradients")),
-]
+def _features(args: Arguments, delayed: bool, sparse_names: list[str]) -> set[Feature]:
+    """The constructor's features whose combinations the refusal table checks."""
+    switched = {
+        Feature.TUNED_PLAN: args.bucket_plan == "tuned",
+        Feature.SPARSE_GRADIENTS: bool(sparse_names),
+        Feature.UNUSED_SEARCH: _reducer_options(args).searches_unused_each_forward,
+        Feature.MIXED_PRECISION: args.mixed_precision is not None,
+        Feature.GRADIENT_AS_BUCKET_VIEW: args.gradient_as_bucket_view,
+        Feature.DELAYED_ALL_REDUCE: delayed,
+    }
+    return {feature for feature, on in switched.items() if on}
 
 
 def resolve(module: nn.Module, args: Arguments) -> Construction:
@@ -158,7 +126,8 @@ def resolve(module: nn.Module, args: Arguments) -> Construction:
     caps = BucketCaps.from_user(args.bucket_cap_mb, args.bucket_cap_mb_list)
     sparse_names = [n for (n, _), s in zip(trainable, sparse, strict=True) if s]
     refuse_unsupported(group, trainable[0][1].device, sparse_names)
-    _check_combinations(args, _Features(args, bool(delayed), sparse_names))
+    _check_arguments(args)
+    refuse_pairs(_features(args, bool(delayed), sparse_names), sparse_names=", ".join(sparse_names))
     recipe = ReducerRecipe(
         tuple(n for n, _ in trainable), caps, tuple(sparse), _reducer_options(args),
         delayed_names=tuple(n for n, _ in delayed), hook_parameter=hook_name,
@@ -181,7 +150,7 @@ def _reducer_options(args: Arguments) -> ReducerOptions:
     )
 
 
-def _check_combinations(args: Arguments, features: _Features) -> None:
+def _check_arguments(args: Arguments) -> None:
     if args.static_graph and args.find_unused_parameters:
         warnings.warn(
             "You passed find_unused_parameters=true to OverlapDDP with static_graph enabled; with a "
@@ -193,9 +162,6 @@ def _check_combinations(args: Arguments, features: _Features) -> None:
         raise ValueError(
             f"bucket_plan must be one of {', '.join(map(repr, BUCKET_PLANS))}, got {args.bucket_plan!r}."
         )
-    for applies, error, message in _COMBINATIONS:
-        if applies(features):
-            raise error(message(features))
 
 
 def synchronize(construction: Construction, init_sync: bool) -> None:

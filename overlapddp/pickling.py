@@ -94,7 +94,7 @@ def pickled_state(attributes: dict[str, Any]) -> dict[str, Any]:
         )
     state = {k: v for k, v in attributes.items() if k not in _NOT_PICKLED}
     # Mixed precision's reduction is the wrapper's own, rebuilt with it: only a user's hook is dropped.
-    hooks = [] if reducer.comm_hook is None or attributes.get("_mixed_precision") else [reducer.comm_hook[1]]
+    hooks = [] if reducer.reduction.comm_hook is None or attributes.get("_mixed_precision") else [reducer.reduction.comm_hook[1]]
     recipe: ReducerRecipe = attributes["_recipe"]
     state["_recipe"] = dataclasses.replace(
         recipe, options=reducer.options, checks_nonfinite=reducer.checks_nonfinite,

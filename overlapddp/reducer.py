@@ -123,14 +123,17 @@ class Reducer:
         self._local_probe: int | None = None
         self.sync_flags = SyncFlagCheck() if sync_flags is None else sync_flags  # the wrapper's flag
         self.progress = ProgressRecord() if progress is None else progress  # where this rank is, for desyncs
+        # What each bucket's collective does and divides by (the default sum, a comm hook, token
+        # weighting, Join's count): the wrapper sets those on it directly.
+        self.reduction = BucketReduction(process_group, options.batched_grad_copy)
         self._shared = SharedStages(
-            fence, BucketReduction(process_group, options.batched_grad_copy),
+            fence, self.reduction,
             GradientWriteWatch(self.names, self.params, self.rank), self.progress, self.names,
             options.gradient_as_bucket_view, check_nonfinite,
         )
         # Who takes each reduced bucket, in order (bucket/consumer.py): DDP's copy into param.grad
         # first, then whatever attach() added (the overlapped optimizer's per-bucket update).
-        self.consumers: list[BucketConsumer] = [GradientCopy(self._shared.reduction, options.gradient_as_bucket_view)]
+        self.consumers: list[BucketConsumer] = [GradientCopy(self.reduction, options.gradient_as_bucket_view)]
         # delay_all_reduce_named_params: launched by launch_delayed, completed in finalize.
         self.delayed = delayed
         # A sharded optimizer (shard/optimizer.py) pads every bucket's buffer to a multiple of this
@@ -217,7 +220,7 @@ class Reducer:
                 f"A sharded optimizer can only be attached between iterations; the reducer is {self.state.value} "
                 f"on rank {self.rank}."
             )
-        self._shared.reduction.set_shard_start(start)
+        self.reduction.set_shard_start(start)
         self._pad_to, self._shared.padded = self.process_group.size(), True
         self.consumers[0] = _ShardSink(sink, abandoned)  # the reduced shard is the sink's, not param.grad's
         self._install_plan(self.plan)  # the same buckets over padded buffers
@@ -320,24 +323,6 @@ class Reducer:
         self._ensure_prior_reduction_finished()
         self._adopt_plan(self._layouts.restore(order, tuned))
 
-    def enable_token_weighting(self) -> TokenCount:
-        """Divide by the global token count instead of the world size (see bucket/token_weighting.py)."""
-        return self._shared.reduction.enable_token_weighting(self.pipelines[0].storage.buffer.device)
-
-    def set_comm_hook(self, state: Any, hook: CommHook) -> None:
-        """Reduce every bucket with ``hook(state, bucket)`` instead of the scaled sum."""
-        self._shared.reduction.set_comm_hook(state, hook)
-
-    @property
-    def comm_hook(self) -> tuple[Any, CommHook] | None:
-        """The registered ``(state, hook)``, or None for the default scaled sum."""
-        return self._shared.reduction.comm_hook
-
-    def set_join_count(self, work: dist.Work, divide_by_initial_world_size: bool) -> None:
-        """Under ``Join``: ``work`` sums 1 per rank still training; average over those ranks unless
-        ``divide_by_initial_world_size``."""
-        self._shared.reduction.set_join_count(work, divide_by_initial_world_size)
-
     # -- the iteration ------------------------------------------------------------------------
 
     def prepare_for_forward(self) -> None:
@@ -379,7 +364,7 @@ class Reducer:
             self.sync_flags.discarded(self.rank, "zero_grad() (or setting .grad to None) before this forward")
         self.synchronized_forwards += 1
         self.progress.forward(self.synchronized_forwards, self.reductions, dropped)
-        self._shared.reduction.arm()
+        self.reduction.arm()
         iteration = _Iteration.empty(len(self.params))
         iteration.record_ready = self._layouts.start_iteration(self.fence, self.plan)
         self.mode = GraphMode.OVERLAP
@@ -472,7 +457,7 @@ class Reducer:
                 self._launch(pipeline)
             iteration.next_launch += 1
             if iteration.next_launch == len(self.pipelines) and self.options.searches_unused_each_forward:
-                if not self._shared.reduction.issues_from_callbacks:  # else finalize launches it
+                if not self.reduction.issues_from_callbacks:  # else finalize launches it
                     self._used.launch_reduction(self.process_group)
 
     def _launch(self, pipeline: BucketPipeline) -> None:
@@ -495,7 +480,7 @@ class Reducer:
         delayed = cast(DelayedReduction, self.delayed)  # this hook is registered only with one
         # A hook that issues collectives from its callbacks (PowerSGD) would interleave them with this
         # one in a different order on each rank: then finalize starts it, after every bucket's chain.
-        chained = self._shared.reduction.issues_from_callbacks
+        chained = self.reduction.issues_from_callbacks
         if self.state in _IN_BACKWARD and not delayed.launched and not chained:
             delayed.launch(self.fence)
 
@@ -526,10 +511,10 @@ class Reducer:
         fence, iteration = self.fence, self._iteration
         fence.backward_ended()
         try:
-            if self.options.searches_unused_each_forward and self._shared.reduction.issues_from_callbacks:
+            if self.options.searches_unused_each_forward and self.reduction.issues_from_callbacks:
                 # The usage flags' all-reduce after every hook chain, so no rank issues it between a
                 # chain's collectives (see BucketReduction.issues_from_callbacks).
-                self._shared.reduction.wait_for_hook_chains()
+                self.reduction.wait_for_hook_chains()
                 self._used.launch_reduction(self.process_group)
             for pipeline in self.pipelines:
                 if self._skipped(pipeline):

@@ -35,6 +35,7 @@ from overlapddp.optim.overlap import OverlappedOptimizer
 from overlapddp.param_usage import map_tensors, tensors_in
 from overlapddp.pickling import ReducerRecipe, bind_to_default_group, pickled_state, recipe_of
 from overlapddp.reducer import Reducer
+from overlapddp.refusals import Feature, refuse_pairs
 from overlapddp.shard.checks import ShardRequest, check_shardable
 from overlapddp.shard.optimizer import ShardedOptimizer
 from overlapddp.sync_checks import SyncFlagCheck
@@ -140,7 +141,8 @@ class OverlapDDP(nn.Module, Joinable):
         named = self.module.named_parameters()
         casts = ParameterCasts([p for n, p in named if n not in self.parameters_to_ignore], precision.param_dtype,
                                _fence_of(weakref.ref(self._reducer)))
-        self._reducer.set_comm_hook(ReduceInPrecision(precision, casts, self.process_group), reduce_in_precision_hook)
+        reduction = ReduceInPrecision(precision, casts, self.process_group)
+        self._reducer.reduction.set_comm_hook(reduction, reduce_in_precision_hook)
         self._mixed_precision = (precision, casts)
 
     # -- forward ------------------------------------------------------------------------------
@@ -163,7 +165,7 @@ class OverlapDDP(nn.Module, Joinable):
         self._reducer.check_not_in_backward()
         work = Join.notify_join_context(self)
         if work is not None:
-            self._reducer.set_join_count(work, self._divide_by_initial_world_size)
+            self._reducer.reduction.set_join_count(work, self._divide_by_initial_world_size)
         if torch.is_grad_enabled():
             self._reducer.prepare_for_forward()
         if self.will_sync_module_buffers():
@@ -322,7 +324,7 @@ class OverlapDDP(nn.Module, Joinable):
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Reduce each bucket with ``hook(state, bucket)``; the stock DDP hooks run unmodified."""
         check_comm_hook(hook, self.process_group)
-        self._refuse_hook_beside_mixed_precision()
+        refuse_pairs(self._features(), Feature.COMM_HOOK, hook=getattr(hook, "__qualname__", repr(hook)))
         if isinstance(state, PowerSGDState) and self._sparse_names:
             raise ValueError(
                 f"PowerSGD compresses flat dense buckets, but {', '.join(self._sparse_names)} produce sparse "
@@ -330,14 +332,14 @@ class OverlapDDP(nn.Module, Joinable):
             )
         if self._reducer.options.tuned_plan:
             _check_per_bucket_state(state, self._reducer.final_layout_iteration)
-        self._reducer.set_comm_hook(state, hook)
+        self._reducer.reduction.set_comm_hook(state, hook)
 
     @property
     def _comm_hooks(self) -> list[tuple[CommHook, object]]:
         """DDP's record of ``register_comm_hook`` as ``[(hook, state)]``, read from the reducer's one
         copy: mixed precision's reduction is there (DDP registers its own the same way), a built-in
         hook is not."""
-        registered = self._reducer.comm_hook
+        registered = self._reducer.reduction.comm_hook
         if registered is None or self._hook_is_builtin:
             return []
         state, hook = registered
@@ -346,18 +348,27 @@ class OverlapDDP(nn.Module, Joinable):
     def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
         """DDP's built-in ALLREDUCE and FP16_COMPRESS hooks, with their arithmetic."""
         hook = builtin_hook(comm_hook_type)
-        self._refuse_hook_beside_mixed_precision()
-        self._reducer.set_comm_hook(self.process_group, hook)
+        refuse_pairs(self._features(), Feature.COMM_HOOK, hook=hook.__qualname__)
+        self._reducer.reduction.set_comm_hook(self.process_group, hook)
         self._hook_is_builtin = True
 
-    def _refuse_hook_beside_mixed_precision(self) -> None:
-        """DDP's error (a second hook), saying which hook came first: the user never registered one."""
-        if self._mixed_precision is not None:
-            raise RuntimeError(
-                "register_comm_hook or register_builtin_comm_hook can only be called once: mixed_precision registered "
-                "its reduction as the comm hook (cast to reduce_dtype, sum, division by the world size), as stock "
-                "DDP does; reduce without mixed_precision to use a hook of your own."
-            )
+    def _features(self) -> set[Feature]:
+        """The features in force whose combinations the refusal table checks (refusals.py), each read
+        from the one object that holds it."""
+        reducer, reduction = self._reducer, self._reducer.reduction
+        switched = {
+            Feature.TUNED_PLAN: reducer.options.tuned_plan,
+            Feature.SPARSE_GRADIENTS: bool(self._sparse_names),
+            Feature.UNUSED_SEARCH: reducer.options.searches_unused_each_forward,
+            Feature.MIXED_PRECISION: self._mixed_precision is not None,
+            Feature.GRADIENT_AS_BUCKET_VIEW: reducer.options.gradient_as_bucket_view,
+            Feature.DELAYED_ALL_REDUCE: reducer.delayed is not None,
+            Feature.COMM_HOOK: reduction.comm_hook is not None,
+            Feature.COUNT_TOKENS: reduction.tokens is not None,
+            Feature.OVERLAPPED_OPTIMIZER: any(isinstance(c, OverlappedOptimizer) for c in reducer.consumers),
+            Feature.SHARDED_OPTIMIZER: bool(self.__dict__.get("_sharded_optimizers")),
+        }
+        return {feature for feature, on in switched.items() if on}
 
     # -- the optimizer and the fences ----------------------------------------------------------
 
@@ -459,19 +470,12 @@ class OverlapDDP(nn.Module, Joinable):
             >>> model.count_tokens(int(mask.sum()))
             >>> loss = F.cross_entropy(model(x)[mask], y[mask], reduction="sum"); loss.backward()
         """
-        refused = [
-            (self._mixed_precision is not None, "mixed_precision",
-             "its reduction (cast, sum and division by the world size in reduce_dtype) is a communication hook"),
-            (self._reducer.delayed is not None, "delay_all_reduce_named_params",
-             "the delayed parameters are all-reduced apart from the buckets and divided by the world size"),
-        ]
-        for present, option, why in refused:
-            if present:
-                raise ValueError(
-                    f"count_tokens cannot be combined with {option} (rank {self._reducer.rank}): {why}; nothing "
-                    "would divide their gradients by the global token count."
-                )
-        self._reducer.enable_token_weighting().add(tokens)
+        registered = self._reducer.reduction.comm_hook
+        hook = "" if registered is None else getattr(registered[1], "__qualname__", repr(registered[1]))
+        features = self._features()
+        if Feature.COUNT_TOKENS not in features:
+            refuse_pairs(features, Feature.COUNT_TOKENS, rank=self._reducer.rank, hook=hook)
+        self._reducer.reduction.enable_token_weighting(self.device).add(tokens)
 
     def bucket_indices(self) -> list[list[int]]:
         """The current buckets, in launch order, as indices into the parameters that require grad."""
@@ -531,11 +535,7 @@ class OverlapDDP(nn.Module, Joinable):
                 "join() cannot be used with a sharded optimizer (attach_optimizer(..., shard=True)): a joined rank "
                 "has no gradients to update its shards with, and the others would wait for its all-gathers."
             )
-        if self._reducer.delayed is not None:
-            raise ValueError(
-                "join() cannot be used with delay_all_reduce_named_params: a joined rank cannot know where, among "
-                "the buckets' collectives, the others start the delayed all-reduce (stock DDP does not shadow it)."
-            )
+        refuse_pairs(self._features(), Feature.JOIN)
         return OverlapJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     @property

@@ -101,7 +101,7 @@ def _hook_not_registered() -> tuple[object, str, object]:
     def set_comm_hook(self, state, hook):
         return None
 
-    return reducer.Reducer, "set_comm_hook", set_comm_hook
+    return bucket_reduction.BucketReduction, "set_comm_hook", set_comm_hook
 
 
 def _is_last_never() -> tuple[object, str, object]:

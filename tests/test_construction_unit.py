@@ -17,10 +17,11 @@ from overlapddp.construction import (
     Arguments,
     _check_parameters,
     _delayed_parameters,
-    _Features,
+    _features,
     _reducer_options,
     _resolve_devices,
 )
+from overlapddp.refusals import Feature
 
 
 def _on(device: str, count: int, first: int = 0) -> list[tuple[str, Any]]:
@@ -112,7 +113,7 @@ def test_delayed_parameters_are_broadcast_at_construction_only_when_there_are_so
 def test_the_tuned_plan_is_read_by_value() -> None:
     args = Arguments(bucket_plan="".join(["tu", "ned"]))  # a name read from a config file
     assert _reducer_options(args).tuned_plan is True
-    assert _Features(args, False, []).tuned is True
+    assert Feature.TUNED_PLAN in _features(args, False, [])
     assert _reducer_options(Arguments()).tuned_plan is False
 
 

@@ -135,11 +135,11 @@ def test_accelerate_prepare_builds_overlapddp_with_the_handlers_arguments_and_ho
     assert "_is_accelerate_prepared" not in vars(wrapper.module)  # the wrapper carries it, as DDP does
     assert wrapper.bucket_bytes_cap == 1024 * 1024
     assert wrapper.device_ids is None
-    state, hook = wrapper._reducer.comm_hook
+    state, hook = wrapper._reducer.reduction.comm_hook
     assert hook is default_hooks.fp16_compress_hook and state is None
 
     plain = use_overlapddp(_accelerator()).prepare_model(_net())
-    assert isinstance(plain, OverlapDDP) and plain._reducer.comm_hook is None
+    assert isinstance(plain, OverlapDDP) and plain._reducer.reduction.comm_hook is None
     assert plain.bucket_bytes_cap == 25 * 1024 * 1024  # no handler: DDP's defaults
 
 

@@ -630,7 +630,7 @@ def test_only_the_last_of_more_buckets_than_small_integers_is_last(one_rank: Non
         future.set_result(bucket.buffer())
         return future
 
-    reducer.set_comm_hook(None, recording)
+    reducer.reduction.set_comm_hook(None, recording)
     _backward(reducer, list(range(299, -1, -1)))
     assert last == [299]
 
@@ -669,7 +669,7 @@ def test_a_forward_from_inside_backward_is_refused_only_with_buckets_in_flight(o
 
 def test_a_comm_hook_and_token_weighting_are_the_reductions(one_rank: None) -> None:
     reducer = _reducer()
-    assert reducer.comm_hook is None
+    assert reducer.reduction.comm_hook is None
 
     seen: list[tuple[int, bool, int]] = []
 
@@ -679,14 +679,14 @@ def test_a_comm_hook_and_token_weighting_are_the_reductions(one_rank: None) -> N
         future.set_result(bucket.buffer() * 2)
         return future
 
-    reducer.set_comm_hook("state", doubled)
-    assert reducer.comm_hook == ("state", doubled)
+    reducer.reduction.set_comm_hook("state", doubled)
+    assert reducer.reduction.comm_hook == ("state", doubled)
     _backward(reducer, [2, 1, 0])
     assert [float(p.grad[0]) for p in reducer.params] == [2.0, 4.0, 6.0]
     assert seen == [(0, False, 4), (1, False, 3), (2, True, 2)], "as DDP's buckets: unpadded, the last one last"
     for caps in (ONE_BYTE, BucketCaps.from_user(None, None)):  # three buckets, one
         weighted = _reducer(caps=caps)
-        weighted.enable_token_weighting().add(4)
+        weighted.reduction.enable_token_weighting(torch.device('cpu')).add(4)
         _backward(weighted, [2, 1, 0])
         assert [float(p.grad[0]) for p in weighted.params] == [0.25, 0.5, 0.75]
 
@@ -704,7 +704,7 @@ def test_a_joined_ranks_shadow_backward_counts_as_no_reduction(one_rank: None, f
         future.set_result(bucket.buffer())
         return future
 
-    reducer.set_comm_hook(None, recording)
+    reducer.reduction.set_comm_hook(None, recording)
     reducer.shadow_backward()
     assert shadowed == [(0, 0.0), (1, 0.0), (2, 0.0)], "every bucket's collective, on zeros"
     assert reducer.reductions == 0 and reducer.state is ReducerState.IDLE

@@ -10,7 +10,6 @@ wrapper.py fails within seconds.
 
 from __future__ import annotations
 
-import functools
 import gc
 import warnings
 import weakref
@@ -31,6 +30,7 @@ from overlapddp.fence import Fence, FenceLog
 from overlapddp.layout.tuner import TUNING_ITERATIONS
 from overlapddp.optim.guard import OptimizerGuard
 from overlapddp.optim.overlap import OverlappedOptimizer
+from overlapddp.shard.checks import JOIN_REFUSAL
 from overlapddp.shard.optimizer import ShardedOptimizer
 
 BF16 = _MixedPrecision(param_dtype=torch.bfloat16)
@@ -384,7 +384,7 @@ def test_mixed_precision_refuses_every_other_hook_and_records_none(one_rank: Non
         model._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
     assert str(refused.value) == MIXED_PRECISION_HOOK
     [(hook, state)] = model._comm_hooks  # its own reduction, registered as DDP registers its upcast hook
-    assert (state, hook) == model._reducer.comm_hook
+    assert (state, hook) == model._reducer.reduction.comm_hook
 
 
 @pytest.mark.parametrize(("kind", "expected"), [
@@ -423,22 +423,16 @@ def test_attach_optimizer_overlaps_and_clips_only_with_overlap(one_rank: None) -
     assert type(model.attach_optimizer(_sgd(model), overlap=True, max_grad_norm=1.0)) is OverlappedOptimizer
 
 
-def test_a_sharded_optimizer_excludes_every_other_and_join(one_rank: None) -> None:
+def test_a_sharded_optimizer_refuses_join_and_a_second_sharding_of_its_parameters(one_rank: None) -> None:
     model = OverlapDDP(_mlp())
     assert type(model.attach_optimizer(_sgd(model), shard=True)) is ShardedOptimizer
-    for kwargs in ({}, {"overlap": True}, {"shard": True}):
-        with pytest.raises(RuntimeError) as refused:
-            model.attach_optimizer(_sgd(model), **kwargs)
-        assert str(refused.value) == (
-            "A sharded optimizer is attached to this model (rank 0): it owns the reduced gradients, so no other "
-            "optimizer can be attached."
-        )
+    assert type(model.attach_optimizer(_sgd(model))) is OptimizerGuard  # a guard of another optimizer is not refused
+    with pytest.raises(ValueError, match=r"SGD holds parameters \(0\.bias, 0\.weight, 1\.bias, 1\.weight\) that a "
+                                         "sharded SGD attached before already updates"):
+        model.attach_optimizer(_sgd(model), shard=True)
     with pytest.raises(ValueError) as refused:
         model.join_hook()
-    assert str(refused.value) == (
-        "join() cannot be used with a sharded optimizer (attach_optimizer(..., shard=True)): a joined rank has no "
-        "gradients to update its shards with, and the others would wait for its all-gathers."
-    )
+    assert str(refused.value) == JOIN_REFUSAL
 
 
 def test_an_overlapped_optimizer_must_be_detached_before_sharding(one_rank: None) -> None:
@@ -472,33 +466,39 @@ def _ignoring() -> OverlapDDP:
     return OverlapDDP(net)
 
 
-def _partial_hook() -> Any:
-    return functools.partial(default_hooks.allreduce_hook)  # no __qualname__: named by its repr
-
-
-# What the wrapper tells the sharding checks, each shown by the refusal it causes.
-SHARD_REFUSALS: list[tuple[str, Any, dict[str, Any], str]] = [
-    ("overlap", lambda: OverlapDDP(_mlp()), {"overlap": True}, "cannot be combined with overlap:"),
-    ("scaler", lambda: OverlapDDP(_mlp()), {"scaler": torch.amp.GradScaler("cpu")}, "cannot be combined with scaler:"),
-    ("allow_unsynced", lambda: OverlapDDP(_mlp()), {"allow_unsynced": True}, "cannot be combined with allow_unsynced:"),
-    ("mixed_precision", lambda: OverlapDDP(_mlp(), mixed_precision=BF16), {}, "cannot be combined with mixed_precision:"),
-    ("bucket view", lambda: OverlapDDP(_mlp(), gradient_as_bucket_view=True), {}, "cannot be combined with gradient_as_bucket_view:"),
-    ("delayed", _delayed, {}, "cannot be combined with delay_all_reduce_named_params:"),
-    ("sparse", lambda: OverlapDDP(_Sparse()), {}, "cannot be combined with sparse_gradients:"),
-    ("tuned", lambda: OverlapDDP(_mlp(), bucket_plan="tuned"), {}, "cannot be combined with tuned_plan:"),
-    ("skip", lambda: OverlapDDP(_mlp(), skip_all_reduce_unused_params=True), {}, "cannot be combined with skip_all_reduce_unused_params:"),
-    ("hook", lambda: _hooked(default_hooks.allreduce_hook), {}, "cannot be combined with the communication hook allreduce_hook:"),
-    ("unnamed hook", lambda: _hooked(_partial_hook()), {}, "cannot be combined with the communication hook functools.partial(<function allreduce_hook"),
-    ("ignored", _ignoring, {}, r"holds parameters the wrapper ignores (1.bias)"),
+# The switches of attach_optimizer that shard=True refuses, each named.
+SHARD_REFUSALS: list[tuple[str, dict[str, Any], str]] = [
+    ("overlap", {"overlap": True}, "cannot be combined with overlap:"),
+    ("max_grad_norm", {"max_grad_norm": 1.0}, "cannot be combined with max_grad_norm:"),
+    ("allow_unsynced", {"allow_unsynced": True}, "cannot be combined with allow_unsynced:"),
 ]
 
 
-@pytest.mark.parametrize(("case", "build", "kwargs", "message"), SHARD_REFUSALS, ids=[c[0] for c in SHARD_REFUSALS])
-def test_the_sharding_checks_see_the_wrappers_configuration(one_rank: None, case: str, build: Any, kwargs: dict, message: str) -> None:
-    model = build()
+@pytest.mark.parametrize(("case", "kwargs", "message"), SHARD_REFUSALS, ids=[c[0] for c in SHARD_REFUSALS])
+def test_the_sharding_checks_see_the_switches(one_rank: None, case: str, kwargs: dict, message: str) -> None:
+    model = OverlapDDP(_mlp())
     with pytest.raises(ValueError) as refused:
         model.attach_optimizer(_sgd(model), shard=True, **kwargs)
     assert message in str(refused.value)
+
+
+# Configurations of the reduction that sharding leaves alone (its gradients are DDP's): accepted.
+SHARD_ACCEPTS: list[tuple[str, Any]] = [
+    ("mixed_precision", lambda: OverlapDDP(_mlp(), mixed_precision=BF16)),
+    ("bucket view", lambda: OverlapDDP(_mlp(), gradient_as_bucket_view=True)),
+    ("delayed", _delayed),
+    ("sparse", lambda: OverlapDDP(_Sparse())),
+    ("tuned", lambda: OverlapDDP(_mlp(), bucket_plan="tuned")),
+    ("skip", lambda: OverlapDDP(_mlp(), skip_all_reduce_unused_params=True)),
+    ("hook", lambda: _hooked(default_hooks.allreduce_hook)),
+    ("ignored", _ignoring),
+]
+
+
+@pytest.mark.parametrize(("case", "build"), SHARD_ACCEPTS, ids=[c[0] for c in SHARD_ACCEPTS])
+def test_the_reductions_configurations_are_sharded(one_rank: None, case: str, build: Any) -> None:
+    model = build()
+    assert type(model.attach_optimizer(_sgd(model), shard=True)) is ShardedOptimizer
 
 
 def test_a_disabled_scaler_does_not_stop_sharding(one_rank: None) -> None:

@@ -43,25 +43,15 @@ class BucketReduction:
         self._shard_start: Callable[[Bucket], torch.futures.Future] | None = None
 
     def enable_token_weighting(self, device: torch.device) -> TokenCount:
-        """Divide by the global token count instead of the world size (see bucket/token_weighting.py)."""
-        if self.comm_hook is not None:
-            raise RuntimeError(
-                f"count_tokens cannot be combined with the communication hook {self.hook_name}: the hook reduces "
-                "each bucket its own way, so nothing would divide by the global token count."
-            )
+        """Divide by the global token count instead of the world size (see bucket/token_weighting.py;
+        the wrapper refuses the combinations that would not divide by it: refusals.py)."""
         if self.tokens is None:
             self.tokens = TokenCount(device)
         return self.tokens
 
     def set_comm_hook(self, state: Any, hook: CommHook) -> None:
-        """Reduce every bucket with ``hook(state, bucket)`` instead of the scaled sum."""
-        if self.tokens is not None:
-            raise RuntimeError(
-                "A communication hook cannot be registered after count_tokens: token-weighted reduction divides each "
-                "bucket by the global token count, which a hook's own reduction would not do."
-            )
-        if self.comm_hook is not None:
-            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        """Reduce every bucket with ``hook(state, bucket)`` instead of the scaled sum (once: the wrapper
+        refuses a second hook and the combinations in refusals.py)."""
         if self._shard_start is not None:
             raise RuntimeError(
                 "A communication hook cannot be registered once a sharded optimizer is attached: each bucket is "

@@ -341,7 +341,7 @@ def _delayed(sim: Sim) -> None:
 @scenario("token weighting")
 def _tokens(sim: Sim) -> None:
     model = wrap(sim)
-    model._reducer.enable_token_weighting()._kit = CudaKit(CPU)
+    model._reducer.reduction.enable_token_weighting(model.device)._kit = CudaKit(CPU)
     opt = sgd(model)
     model.attach_optimizer(opt)
     train(sim, model, opt, per_step=lambda i: model.count_tokens(3 + i))
@@ -746,7 +746,7 @@ def _gloo_default(sim: Sim) -> None:
 @scenario("gloo: token weighting and find_unused_parameters", backend="gloo")
 def _gloo_tokens(sim: Sim) -> None:
     model = wrap(sim, _Branchy(), on_cuda=False, find_unused_parameters=True)
-    model._reducer.enable_token_weighting()
+    model._reducer.reduction.enable_token_weighting(model.device)
     opt = sgd(model)
     model.attach_optimizer(opt)
     train(sim, lambda x: model(x, use_extra=sim.context.endswith("1")), opt,  # type: ignore[arg-type]
