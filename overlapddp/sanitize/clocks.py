@@ -15,6 +15,8 @@ from __future__ import annotations
 
 Clock = dict[str, int]
 HOST = "host"
+# Where device collectives run, as one stream (NCCL's): a device-wide synchronize sees them complete.
+COLLECTIVES = "collectives"
 
 
 def merge(into: Clock, other: Clock) -> None:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from overlapddp.sanitize.clocks import HOST
+from overlapddp.sanitize.clocks import COLLECTIVES, HOST
 from overlapddp.sanitize.findings import DROPPED, NEVER, READ, WRITE, Finding, user_site
 from overlapddp.sanitize.memory import Span, SpanIndex, describe, span_of
 from overlapddp.sanitize.names import Names
@@ -103,6 +103,8 @@ class Collectives:
             for span, role in spans:
                 self._index.add(span, entry, role)
             self._pending[entry.number] = entry
+            if device:  # it runs on the communication stream: whoever waits for that stream sees it complete
+                self.model.clocks.of(COLLECTIVES)[entry.token] = 1
             for tensor in outputs + inputs:
                 self._watch_free(entry, tensor)
         return entry
