@@ -24,13 +24,13 @@ LAYERS = [
      "bucket", "layout", "optim", "shard",  # (the folders' docstrings)
      "sanitize.clocks", "sanitize.collectives", "sanitize.memory"},  # the race detector: apart from the rest
     {"layout.plan", "bucket.storage", "fence", "bucket.comm_hook", "param_usage", "bucket.token_weighting",
-     "module_sync", "optim.unscaler", "bucket.sparse_storage", "sync_checks", "progress",
+     "module_sync", "optim.unscaler", "optim.takeover", "bucket.sparse_storage", "sync_checks", "progress",
      "sanitize.findings", "sanitize.streams", "sanitize.names", "sanitize.force",
      "shard.layout", "shard.collectives"},
     {"layout.cost_model", "bucket.comm_hook_validation", "timeline", "delayed_reduction", "mixed_precision",
      "sanitize.completion",
-     "layout.selection", "bucket.reduction", "bucket.gradient_checks", "shard.relayout"},
-    {"layout.tuner"},
+     "layout.selection", "bucket.reduction", "bucket.gradient_checks"},
+    {"layout.tuner", "bucket.consumer"},
     # Which layout is in force (initial, DDP's rebuild, tuning, final); how one bucket is reduced.
     {"layout.lifecycle", "bucket.pipeline", "sanitize.accesses"},
     {"reducer"},

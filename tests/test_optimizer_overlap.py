@@ -42,6 +42,7 @@ def _compare(
             unscaler = overlapped._unscaler
             hand_over = unscaler.hand_over
             unscaler.hand_over = lambda hand_over=hand_over: hand_over() and False
+            overlapped._check_stepped = lambda where: None  # (else the skipped step itself is reported)
         equal = []
         for step in range(4):
             inputs, target = models.batch(model_name, rank, step)

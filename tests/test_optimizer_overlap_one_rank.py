@@ -148,3 +148,71 @@ def test_one_rank_ignored_parameters_are_updated_and_clipped_as_with_ddp(one_ran
     assert _overlap_with_an_ignored_parameter(0, 1) == {"sgd": [True] * 4, "adam": [True] * 4}
     for clip in (False, True):
         assert _split_optimizers_with_an_ignored_parameter(0, 1, clip) == [True] * 4, f"clip={clip}"
+
+
+def _backward(model: OverlapDDP, step: int) -> None:
+    inputs, target = models.batch("mlp", 0, step)
+    models.loss_of(model(inputs), target).backward()
+
+
+def test_an_lr_set_after_backward_raises_at_step_naming_the_group_and_both_values(one_rank: None) -> None:
+    model = _wrapped()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.attach_optimizer(opt, overlap=True)
+    _backward(model, 0)
+    opt.param_groups[0]["lr"] = 0.05  # the update already ran with 0.1
+    with pytest.raises(RuntimeError, match=(
+        r"optimizer.step\(\) on rank 0: param_groups\[0\]\['lr'\] is 0.05, but the update that already ran during "
+        r"backward \(attach_optimizer\(overlap=True\)\) used 0.1\. .* set hyperparameters .* before backward"
+    )):
+        opt.step()
+
+
+def test_hyperparameters_changed_before_backward_are_used_and_accepted(one_rank: None) -> None:
+    model = _wrapped()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model.attach_optimizer(opt, overlap=True)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(3):
+        opt.zero_grad()
+        _backward(model, step)
+        opt.step()
+        scheduler.step()  # after step(): the next backward's update uses it
+    assert opt.param_groups[0]["lr"] == 0.1 * 0.5**3
+
+
+def test_a_skipped_step_raises_at_the_next_zero_grad_once(one_rank: None) -> None:
+    model = _wrapped()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.attach_optimizer(opt, overlap=True)
+    _backward(model, 0)
+    with pytest.raises(RuntimeError, match=(
+        r"optimizer.zero_grad\(\) on rank 0: the last backward already updated the parameters .* but "
+        r"optimizer.step\(\) was not called after it, so that update cannot be skipped"
+    )):
+        opt.zero_grad()
+    opt.zero_grad()  # said once: the loop may go on
+
+
+def test_a_skipped_step_raises_at_the_next_backward_without_a_zero_grad(one_rank: None) -> None:
+    model = _wrapped()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.attach_optimizer(opt, overlap=True)
+    _backward(model, 0)
+    with pytest.raises(RuntimeError, match=r"the next backward on rank 0: the last backward already updated"):
+        _backward(model, 1)
+    _backward(model, 2)  # the failed iteration was dropped; the next one reduces and updates
+    opt.step()
+
+
+def test_a_step_the_scaler_skips_owes_nothing(one_rank: None) -> None:
+    model = _wrapped()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    model.attach_optimizer(opt, overlap=True, scaler=scaler)
+    inputs, target = models.batch("mlp", 0, 0)
+    scaler.scale(models.loss_of(model(inputs), target) * float("inf")).backward()
+    scaler.step(opt)  # found inf: no update ran, and step() is skipped
+    scaler.update()
+    opt.zero_grad()
+    assert scaler.get_scale() == 2.0**3

@@ -9,6 +9,13 @@ be split this way; for them, updating bucket by bucket is bit-equal to one ``ste
 Clipping and loss scaling decide for all gradients at once (the total norm; whether any gradient is
 Inf or NaN), so with either only their per-bucket work (norms, unscaling) overlaps communication,
 and the updates run after the last bucket.
+
+What a loop line means is kept or refused, never silently changed: a gradient changed in place after
+the updates (``clip_grad_norm_``, ``GradScaler.unscale_``) or a hyperparameter changed after the
+update used it (an lr set between backward and ``step()``) raises at ``step()``; a ``step()`` skipped
+after an update that already ran raises at the next ``zero_grad()`` or backward. One read cannot be
+seen: parameters read between backward and ``step()`` already hold their new values (the mode's
+contract, stated in ``attach_optimizer``).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from typing import Any
 import torch
 
 from overlapddp.bucket.consumer import ReducedBucket
+from overlapddp.optim.takeover import give_back_step, take_over_step
 from overlapddp.optim.unscaler import BucketUnscaler
 from overlapddp.reducer import Reducer
 from overlapddp.torch_compat import foreach_mul_, foreach_norm
@@ -55,7 +63,7 @@ class OverlappedOptimizer:
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm
         self.norm_type = float(norm_type)
-        self._update = optimizer.step  # the real step, called per bucket
+        self._update = optimizer.step  # the real step, called per bucket (taken over below)
         self._reduced = {id(p) for p in reducer.params}  # parameters whose gradients arrive in buckets
         # Loss scaling: each bucket is unscaled as soon as it is reduced; the scaler then learns the
         # outcome as if scaler.unscale_(optimizer) had run (None: no scaler, or a disabled one).
@@ -70,14 +78,21 @@ class OverlappedOptimizer:
         # Version counter of each gradient after the updates: a later in-place change (a user's
         # clip_grad_norm_ or GradScaler.unscale_) could not be honored and is reported at step().
         self._versions: list[tuple[torch.Tensor, int]] = []
-        # Optimizer.step is typed with overloads (closure or none); the overlapped step takes the closure only.
+        # The hyperparameters of each group as the last updates used them (None: no update since the
+        # last step): step() checks the loop did not change them after backward, zero_grad() and the
+        # next backward that step() acknowledged the update.
+        self._used: list[dict[str, Any]] | None = None
+        self._taking = False  # a bucket of the current backward was taken
         reducer.attach(self)
-        optimizer.step = self._step  # type: ignore[method-assign, assignment]
+        take_over_step(optimizer, self._step)
+        self._zero_grad = optimizer.zero_grad
+        optimizer.zero_grad = self._checked_zero_grad  # type: ignore[method-assign]
 
     def detach(self) -> None:
-        """Give the optimizer its own ``step()`` back and stop updating during backward."""
+        """Give the optimizer its own ``step()`` and ``zero_grad()`` back and stop updating during backward."""
         self._reducer.detach(self)
-        self.optimizer.step = self._update  # type: ignore[method-assign]
+        give_back_step(self.optimizer, self._update)
+        self.optimizer.zero_grad = self._zero_grad  # type: ignore[method-assign]
         if self._unscaler is not None:
             self._unscaler.detach()
 
@@ -89,6 +104,9 @@ class OverlappedOptimizer:
     def take(self, bucket: ReducedBucket) -> None:
         """One bucket is reduced and its gradients written: unscale it, measure it, or update it, as
         the options allow."""
+        if not self._taking:  # this backward's first bucket
+            self._taking = True
+            self._check_stepped("the next backward")
         params = bucket.params
         if self._unscaler is not None:
             self._unscaler.unscale(params)
@@ -126,11 +144,13 @@ class OverlappedOptimizer:
     def abandoned(self) -> None:
         """The iteration was dropped: the norms measured for it go with it."""
         self._norms = {}
+        self._taking = False
 
     def all_taken(self) -> None:
         """After the last bucket: hand the unscale over to the scaler, clip exactly as ``clip_grad_norm_``
         would, then update unless the scaler found an Inf or NaN (as ``scaler.step`` decides); and
         remember every gradient's version to catch later in-place changes."""
+        self._taking = False
         found_inf = self._unscaler.hand_over() if self._unscaler is not None else False
         if self.max_grad_norm is not None:
             self._clip()
@@ -141,6 +161,8 @@ class OverlappedOptimizer:
             outside = [p for p in self._params() if id(p) not in self._reduced and p.grad is not None]
             if outside:
                 self._update_bucket(outside)
+        if not found_inf:  # (the scaler skips step() then: nothing is owed)
+            self._used = [_settings(group) for group in self.optimizer.param_groups]
         self._versions = [(p.grad, p.grad._version) for p in self._reducer.params if p.grad is not None]
 
     def _clip(self) -> None:
@@ -179,4 +201,47 @@ class OverlappedOptimizer:
                 "synchronized backward, and none has run since the last step (a no_sync backward, or no "
                 "backward at all)."
             )
+        self._check_settings_unchanged()
         self._stepped_at = self._reducer.reductions
+        self._used = None
+
+    def _check_settings_unchanged(self) -> None:
+        """A hyperparameter set after backward would be ignored: the update already used the old value."""
+        for index, (group, used) in enumerate(zip(self.optimizer.param_groups, self._used or [], strict=False)):
+            for key, before in used.items():
+                now = group.get(key)
+                if not _same(now, before):
+                    raise RuntimeError(
+                        f"optimizer.step() on rank {self._reducer.rank}: param_groups[{index}][{key!r}] is {now!r}, "
+                        f"but the update that already ran during backward (attach_optimizer(overlap=True)) used "
+                        f"{before!r}. With overlap=True each bucket is updated as soon as it is reduced: set "
+                        "hyperparameters (an lr, an LR scheduler's step()) before backward, or attach without "
+                        "overlap=True to have step() use them."
+                    )
+
+    def _check_stepped(self, where: str) -> None:
+        """An update that ran during backward must be acknowledged by step(): a skipped step cannot be honored."""
+        if self._used is not None:
+            self._used = None  # said once: the loop may go on
+            raise RuntimeError(
+                f"{where} on rank {self._reducer.rank}: the last backward already updated the parameters "
+                "(attach_optimizer(overlap=True) updates during backward), but optimizer.step() was not called "
+                "after it, so that update cannot be skipped. Call step() after every synchronized backward, "
+                "accumulate with no_sync() instead of skipping, or attach without overlap=True to skip steps."
+            )
+
+    def _checked_zero_grad(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_stepped("optimizer.zero_grad()")
+        return self._zero_grad(*args, **kwargs)
+
+
+def _settings(group: dict[str, Any]) -> dict[str, Any]:
+    """A parameter group's hyperparameters as they are now (tensors copied: schedulers write in place)."""
+    return {key: value.clone() if isinstance(value, torch.Tensor) else value
+            for key, value in group.items() if key != "params"}
+
+
+def _same(now: object, before: object) -> bool:
+    if isinstance(now, torch.Tensor) and isinstance(before, torch.Tensor):
+        return torch.equal(now, before)
+    return bool(now == before)
