@@ -213,8 +213,9 @@ def detect(force: bool = False, report_dir: str | os.PathLike[str] | None = None
     """Watch the asynchronous collectives this rank issues from Python inside the block.
 
     Yields the list of findings, filled as they happen (each also written to stderr unless ``echo``
-    is False). At the end, every collective not observed complete is a ``never-completed`` finding,
-    and with ``report_dir`` the list is written to ``report_dir/rank{R}.json``. ``force``: delay each
+    is False). At the end, every collective not observed complete is a ``never-completed`` finding.
+    With ``report_dir`` the list is written to ``report_dir/rank{R}.json`` at each finding and at the end.
+    ``force``: delay each
     collective's result until it is observed and show NaN meanwhile (``force.py``). ``streams``: the
     stream model (default: CUDA's when available, else the host's only); ``end_site``: the
     ``"path:line"`` named as the end (default: the line that leaves the block).
@@ -235,6 +236,8 @@ def detect(force: bool = False, report_dir: str | os.PathLike[str] | None = None
         findings.append(finding)
         if echo:
             print(finding.message(), file=sys.stderr, flush=True)
+        if report_dir is not None:  # now too: torchrun ends the other ranks when one exits non-zero
+            write_report(findings, report_dir, known_rank())
 
     def known_rank() -> int:
         if not rank:
