@@ -92,7 +92,7 @@ def _work_patches(observed: _Observed) -> list[tuple[Any, str, Any]]:
         return result
 
     def get_future(handle: Any) -> Any:
-        future = real_future(handle)
+        future: Any = real_future(handle)
         entries = observed.get(handle)
         if entries:
             forced = [e.forced for e in entries if e.forced is not None]
