@@ -12,6 +12,20 @@ Vocabulary, used with one meaning everywhere in this package:
   result (work handles and futures on CPU; events and stream waits on CUDA).
 - **finalize**: the end-of-backward step that waits on every bucket's fence and writes the
   reduced values into ``param.grad``, before ``loss.backward()`` returns.
+
+Public surface (what users import; kept working across versions):
+
+- ``overlapddp``: :class:`OverlapDDP`;
+- ``overlapddp.testing``: force the race (delay a rank, remove the fence, a synchronous reference);
+- ``overlapddp.timeline``: per-bucket spans and a Chrome trace from ``record_fences()``;
+- ``overlapddp.fence``: the fences (``Fence``, ``FenceLog``) that ``testing`` wraps;
+- ``overlapddp.sharded_checkpoint``: ``save_sharded``/``load_sharded`` for ``attach_optimizer(shard=True)``;
+- ``overlapddp.sanitize``: the race detector for any loop's asynchronous collectives;
+- ``overlapddp.integrations``: the frameworks (Lightning, Accelerate, transformers, Ray, torchft).
+
+Everything else is private and may move: ``bucket/`` (one bucket's life), ``layout/`` (which
+gradients go together), ``shard/`` and ``optim/`` (the optimizers ``attach_optimizer`` attaches), and
+the hall (``reducer``, ``wrapper``, ``construction``, ``refusals``, ...): docs/how_it_works.md maps them.
 """
 
 from __future__ import annotations
