@@ -96,7 +96,7 @@ class GraphSplitter:
         elif _MISSING is not None or get_optimize_ddp_mode() != "ddp_optimizer":
             self._saved.append(_frames_compiled())  # warn in __exit__ if Dynamo compiled anything
         else:
-            follow = self._reducer.has_rebuilt_buckets
+            follow = self._reducer.layouts.rebuilt
             self._follow([list(members) for members in self._reducer.plan.buckets] if follow else None)
             self._saved.append((_DDP._active_ddp_module, _dynamo_distributed.DDPOptimizer))
             # Dynamo's hooks for DDP, handed stand-ins: it reads only bucket_bytes_cap and calls compile_fn.

@@ -94,10 +94,11 @@ def pickled_state(attributes: dict[str, Any]) -> dict[str, Any]:
         )
     state = {k: v for k, v in attributes.items() if k not in _NOT_PICKLED}
     # Mixed precision's reduction is the wrapper's own, rebuilt with it: only a user's hook is dropped.
-    hooks = [] if reducer.reduction.comm_hook is None or attributes.get("_mixed_precision") else [reducer.reduction.comm_hook[1]]
+    registered = reducer.reduction.comm_hook
+    hooks = [] if registered is None or attributes.get("_mixed_precision") else [registered[1]]
     recipe: ReducerRecipe = attributes["_recipe"]
     state["_recipe"] = dataclasses.replace(
-        recipe, options=reducer.options, checks_nonfinite=reducer.checks_nonfinite,
+        recipe, options=reducer.options, checks_nonfinite=reducer.stages.check_nonfinite,
         dropped_hooks=tuple(getattr(hook, "__qualname__", repr(hook)) for hook in hooks),
     )
     return state

@@ -16,19 +16,18 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, cast
+from typing import Callable, Sequence, cast
 
 import torch
 import torch.distributed as dist
 
-from overlapddp.bucket.comm_hook import Bucket, CommHook
+from overlapddp.bucket.comm_hook import Bucket
 from overlapddp.bucket.consumer import BucketConsumer, GradientCopy, ReducedBucket
 from overlapddp.bucket.gradient_checks import GradientWriteWatch
 from overlapddp.bucket.pipeline import BucketPipeline, SharedStages
 from overlapddp.bucket.reduction import BucketReduction
 from overlapddp.bucket.sparse_storage import SparseBucketStorage
 from overlapddp.bucket.storage import BucketStorage
-from overlapddp.bucket.token_weighting import TokenCount
 from overlapddp.delayed_reduction import DelayedReduction
 from overlapddp.fence import Fence
 from overlapddp.layout.lifecycle import LayoutLifecycle
@@ -126,7 +125,7 @@ class Reducer:
         # What each bucket's collective does and divides by (the default sum, a comm hook, token
         # weighting, Join's count): the wrapper sets those on it directly.
         self.reduction = BucketReduction(process_group, options.batched_grad_copy)
-        self._shared = SharedStages(
+        self.stages = SharedStages(
             fence, self.reduction,
             GradientWriteWatch(self.names, self.params, self.rank), self.progress, self.names,
             options.gradient_as_bucket_view, check_nonfinite,
@@ -139,9 +138,9 @@ class Reducer:
         # A sharded optimizer (shard/optimizer.py) pads every bucket's buffer to a multiple of this
         # (the world size; see set_sharded).
         self._pad_to = 1
-        self._layouts = LayoutLifecycle(self.params, self._sparse_gradient, caps, options)
+        self.layouts = LayoutLifecycle(self.params, self._sparse_gradient, caps, options)
         self._configure(options)
-        self._install_plan(self._layouts.initial_plan())
+        self._install_plan(self.layouts.initial_plan())
 
     def _configure(self, options: ReducerOptions) -> None:
         """Everything but the layout that depends on the graph options, as before the first iteration."""
@@ -156,26 +155,13 @@ class Reducer:
     def enable_static_graph(self) -> None:
         """Switch to ``static_graph=True`` (DDP's ``_set_static_graph``); only before the first backward
         and before a checkpointed layout was loaded. The buckets stay as constructed, as in DDP."""
-        if self.reductions or self.state is not ReducerState.IDLE or self._layouts.changed:
+        if self.reductions or self.state is not ReducerState.IDLE or self.layouts.changed:
             raise RuntimeError(
                 f"static_graph can only be turned on before the first backward and before load_bucket_state "
                 f"(rank {self.rank}); pass static_graph=True to the constructor instead."
             )
         self._configure(dataclasses.replace(self.options, static_graph=True))
-        self._layouts.enable_static_graph()
-
-    @property
-    def checks_nonfinite(self) -> bool:
-        """Whether each bucket's gradients are checked for NaN and Inf before launch (see bucket/gradient_checks.py)."""
-        return self._shared.check_nonfinite
-
-    def set_nonfinite_check(self, enabled: bool) -> None:
-        """Turn the non-finite gradient check on or off (see bucket/gradient_checks.py)."""
-        self._shared.check_nonfinite = enabled
-
-    def watch_gradient_writes(self, watching: bool = True) -> None:
-        """An optimizer guard attaches (or, ``watching=False``, detaches): see bucket/gradient_checks.py."""
-        self._shared.write_watch.watchers += 1 if watching else -1
+        self.layouts.enable_static_graph()
 
     def attach(self, consumer: BucketConsumer) -> None:
         """Hand every reduced bucket to ``consumer`` too, after those attached before it; only between
@@ -202,7 +188,7 @@ class Reducer:
     @property
     def sharded(self) -> bool:
         """Whether a sharded optimizer reduce-scatters the buckets (see set_sharded)."""
-        return self._shared.padded
+        return self.stages.padded
 
     def set_sharded(
         self,
@@ -221,7 +207,7 @@ class Reducer:
                 f"on rank {self.rank}."
             )
         self.reduction.set_shard_start(start)
-        self._pad_to, self._shared.padded = self.process_group.size(), True
+        self._pad_to, self.stages.padded = self.process_group.size(), True
         self.consumers[0] = _ShardSink(sink, abandoned)  # the reduced shard is the sink's, not param.grad's
         self._install_plan(self.plan)  # the same buckets over padded buffers
 
@@ -242,7 +228,7 @@ class Reducer:
             storage = SparseBucketStorage(index, [self.params[members[0]]], self.names[members[0]])
         else:
             storage = BucketStorage(index, [self.params[i] for i in members], self._pad_to)
-        return BucketPipeline(index, members, storage, self._shared, is_last=index == len(self.plan.buckets) - 1)
+        return BucketPipeline(index, members, storage, self.stages, is_last=index == len(self.plan.buckets) - 1)
 
     @property
     def _used(self) -> UsageMap:
@@ -266,11 +252,6 @@ class Reducer:
         return self._local_probe is not None
 
     @property
-    def final_layout_iteration(self) -> int:
-        """The first synchronized iteration (from 0) whose buckets stay (see LayoutLifecycle)."""
-        return self._layouts.final_iteration
-
-    @property
     def caps(self) -> BucketCaps:
         """The byte caps the buckets are planned with (a copy of the wrapper plans with them again)."""
         return self._caps
@@ -279,11 +260,6 @@ class Reducer:
     def sparse_gradient(self) -> list[bool]:
         """Per parameter, whether its gradient is sparse (as given to the constructor)."""
         return list(self._sparse_gradient)
-
-    @property
-    def has_rebuilt_buckets(self) -> bool:
-        """True once the ready-order rebuild has happened (or will never happen)."""
-        return self._layouts.rebuilt
 
     def unfinished_buckets(self) -> list[int]:
         """Buckets with gradients already taken in this backward that finalize has not written back
@@ -295,33 +271,29 @@ class Reducer:
     @property
     def fence(self) -> Fence:
         """The fence that orders every bucket's collective before its readers."""
-        return self._shared.fence
+        return self.stages.fence
 
     def replace_fence(self, fence: Fence) -> Fence:
         """Swap in another fence (race-forcing tools wrap the real one); only between iterations."""
-        current = self._shared.fence
+        current = self.stages.fence
         if self.state is not ReducerState.IDLE or current.in_flight():
             raise RuntimeError(
                 f"The fence can only be replaced between iterations; the reducer is {self.state.value} "
                 f"with buckets {current.in_flight()} in flight."
             )
-        self._shared.fence = fence
+        self.stages.fence = fence
         return current
-
-    def bucket_order(self) -> list[int] | None:
-        """The gradient-ready order the buckets were rebuilt from (None before, or without, a rebuild)."""
-        return self._layouts.bucket_order()
 
     def tuned_buckets(self) -> list[list[int]] | None:
         """The tuned layout, once installed (None before, or without ``bucket_plan="tuned"``)."""
-        return [list(members) for members in self.plan.buckets] if self._layouts.tuned else None
+        return [list(members) for members in self.plan.buckets] if self.layouts.tuned else None
 
     def restore_bucket_order(self, order: list[int] | None, tuned: list[list[int]] | None = None) -> None:
         """Resume with the layout a checkpointed run had, so that its continuation is bit-equal."""
         if order is None:
             return
         self._ensure_prior_reduction_finished()
-        self._adopt_plan(self._layouts.restore(order, tuned))
+        self._adopt_plan(self.layouts.restore(order, tuned))
 
     # -- the iteration ------------------------------------------------------------------------
 
@@ -330,7 +302,7 @@ class Reducer:
         rebuild, the tuner's switches) between iterations."""
         self._ensure_prior_reduction_finished()
         device = self.pipelines[0].storage.buffer.device
-        self._layouts.at_forward(self.process_group, device, self.plan, self._adopt_plan)
+        self.layouts.at_forward(self.process_group, device, self.plan, self._adopt_plan)
 
     def _adopt_plan(self, plan: BucketPlan) -> None:
         """Switch layouts between iterations; with gradient_as_bucket_view, the gradients move along."""
@@ -366,7 +338,7 @@ class Reducer:
         self.progress.forward(self.synchronized_forwards, self.reductions, dropped)
         self.reduction.arm()
         iteration = _Iteration.empty(len(self.params))
-        iteration.record_ready = self._layouts.start_iteration(self.fence, self.plan)
+        iteration.record_ready = self.layouts.start_iteration(self.fence, self.plan)
         self.mode = GraphMode.OVERLAP
         if self.options.static_graph:
             learned = self._learned_fires
@@ -503,7 +475,7 @@ class Reducer:
             future.wait()
         if self.options.searches_unused_each_forward:
             self._used.shadow_reduction(self.process_group)
-        self._layouts.iteration_shadowed()
+        self.layouts.iteration_shadowed()
 
     def finalize(self) -> None:
         """Complete every bucket in order and write the reduced values into ``param.grad``."""
@@ -533,7 +505,7 @@ class Reducer:
         if self.options.searches_unused_each_forward:
             self._used.reset()
         fence.end_iteration()
-        self._layouts.iteration_reduced(iteration.unused)
+        self.layouts.iteration_reduced(iteration.unused)
         self.reductions += 1
         self.progress.reduced(self.synchronized_forwards, self.reductions)
         self._local_probe = None
@@ -571,8 +543,8 @@ class Reducer:
                 self.pipelines[index] = self._new_pipeline(index, self.plan.buckets[index])
         if self.delayed is not None:
             self.delayed.abandon()
-        self._shared.write_watch.clear()
-        self._layouts.iteration_abandoned()
+        self.stages.write_watch.clear()
+        self.layouts.iteration_abandoned()
         if self.options.searches_unused_each_forward:
             self._used.reset()
         for pipeline in self.pipelines:

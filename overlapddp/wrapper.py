@@ -331,7 +331,7 @@ class OverlapDDP(nn.Module, Joinable):
                 "gradients (stock DDP hangs here); use sparse=False for them or another hook."
             )
         if self._reducer.options.tuned_plan:
-            _check_per_bucket_state(state, self._reducer.final_layout_iteration)
+            _check_per_bucket_state(state, self._reducer.layouts.final_iteration)
         self._reducer.reduction.set_comm_hook(state, hook)
 
     @property
@@ -484,11 +484,11 @@ class OverlapDDP(nn.Module, Joinable):
     def check_nonfinite_gradients(self, enabled: bool = True) -> None:
         """Debug option: stop every rank, naming the ranks and parameters, when a gradient is NaN or
         Inf, before its bucket is reduced (costs one small all-reduce per bucket)."""
-        self._reducer.set_nonfinite_check(enabled)
+        self._reducer.stages.check_nonfinite = enabled
 
     def bucket_state(self) -> dict[str, Any]:
         """What a checkpoint needs, beside ``state_dict()``, to resume bit-exactly: the bucket layout."""
-        return {"ready_order": self._reducer.bucket_order(), "tuned_buckets": self._reducer.tuned_buckets()}
+        return {"ready_order": self._reducer.layouts.bucket_order(), "tuned_buckets": self._reducer.tuned_buckets()}
 
     def load_bucket_state(self, state: dict[str, Any]) -> None:
         """Adopt a checkpoint's bucket layout (call before the first forward after resuming)."""
@@ -498,7 +498,7 @@ class OverlapDDP(nn.Module, Joinable):
 
     @property
     def _has_rebuilt_buckets(self) -> bool:
-        return self._reducer.has_rebuilt_buckets
+        return self._reducer.layouts.rebuilt
 
     # -- copies and pickles (pickling.py) --------------------------------------------------------
 

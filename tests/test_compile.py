@@ -259,7 +259,7 @@ def test_the_compiled_cuts_follow_every_bucket_layout(one_rank, plan):
     torch._dynamo.reset()
     model = OverlapDDP(torch.compile(models.build("deep_mlp"), backend="aot_eager"), bucket_cap_mb=0.5, bucket_plan=plan)
     splitter = model._graph_splitter
-    for step in range(model._reducer.final_layout_iteration + 2):
+    for step in range(model._reducer.layouts.final_iteration + 2):
         inputs, target = models.batch("deep_mlp", 0, step)
         models.loss_of(model(inputs), target).backward()
         graphs = splitter._compiled  # before the rebuild: DDP's byte cuts (None)

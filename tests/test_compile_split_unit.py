@@ -25,7 +25,7 @@ class FakeReducer:
 
     def __init__(self, buckets: list[tuple[int, ...]], rebuilt: bool = True, params: int = 4) -> None:
         self.params = [torch.zeros(1) for _ in range(params)]
-        self.has_rebuilt_buckets = rebuilt
+        self.layouts = SimpleNamespace(rebuilt=rebuilt)
         self.plan = SimpleNamespace(buckets=buckets)
 
 

@@ -68,13 +68,13 @@ def _copies(rank: int, world_size: int, extras: list[str]) -> dict[str, Any]:
         for copier_name, copier in COPIERS.items():
             original = builders[name](models.build("mlp"))
             twin = copier(original)
-            steps = twin._reducer.final_layout_iteration + 2 if name in TUNED else STEPS
+            steps = twin._reducer.layouts.final_iteration + 2 if name in TUNED else STEPS
             results[f"{name}-{copier_name}"] = _side_by_side(rank, original, twin, steps)
             if name == "plain":  # the desync records and the fence's note of each wait came along
                 results[f"records-{copier_name}"] = twin._reducer.progress._store is not None and \
                     twin.fence._before_wait is not None
             if name == "nonfinite_check":
-                results[f"check-kept-{copier_name}"] = twin._reducer.checks_nonfinite
+                results[f"check-kept-{copier_name}"] = twin._reducer.stages.check_nonfinite
     if world_size == 2:
         results.update(_hook_left_behind_as_ddp(rank), **_guard_on_a_copy(rank), **_compiled_copy(rank))
     return results

@@ -307,14 +307,14 @@ def test_local_gradients_kept_until_the_next_forward_are_not_warned(one_rank: No
 
 def test_detached_watchers_stop_watching_gradient_writes(one_rank: None) -> None:
     reducer = _reducer(caps=BucketCaps.from_user(None, None))
-    reducer.watch_gradient_writes()
-    reducer.watch_gradient_writes()
-    reducer.watch_gradient_writes(False)
+    reducer.stages.write_watch.watchers += 1
+    reducer.stages.write_watch.watchers += 1
+    reducer.stages.write_watch.watchers -= 1
     _backward(reducer, [2, 1, 0], finalize=False)
     reducer.params[0].grad.mul_(2)  # written after its copy-in, while one watcher is attached
     with pytest.raises(RuntimeError, match=r"gradients of a \(bucket 0\) were changed on rank 0"):
         reducer.finalize()
-    reducer.watch_gradient_writes(False)
+    reducer.stages.write_watch.watchers -= 1
     _backward(reducer, [2, 1, 0], finalize=False)
     reducer.params[0].grad.mul_(2)  # nobody watches: the reduced value replaces it, as in DDP
     reducer.finalize()
@@ -323,15 +323,15 @@ def test_detached_watchers_stop_watching_gradient_writes(one_rank: None) -> None
 
 def test_the_nonfinite_check_is_switched_by_the_setter(one_rank: None) -> None:
     reducer = _reducer()
-    assert reducer.checks_nonfinite is False
-    reducer.set_nonfinite_check(True)
-    assert reducer.checks_nonfinite is True
+    assert reducer.stages.check_nonfinite is False
+    reducer.stages.check_nonfinite = True
+    assert reducer.stages.check_nonfinite is True
     reducer.prepare_for_backward()
     _grad(reducer, 2, float("nan"))
     with pytest.raises(FloatingPointError, match="rank 0: c"):
         reducer.mark_ready(2)
     assert reducer.state is ReducerState.IDLE, "every rank stops before the bucket: the iteration is dropped"
-    reducer.set_nonfinite_check(False)
+    reducer.stages.check_nonfinite = False
     _backward(reducer, [2, 1, 0])
     assert reducer.reductions == 1
 
@@ -540,12 +540,12 @@ def test_what_the_reducer_reports_about_its_layout(one_rank: None) -> None:
     sparse = reducer.sparse_gradient
     sparse.append(True)
     assert reducer.sparse_gradient == [False, False, False], "a copy"
-    assert reducer.bucket_order() is None and reducer.tuned_buckets() is None
-    assert not reducer.has_rebuilt_buckets
+    assert reducer.layouts.bucket_order() is None and reducer.tuned_buckets() is None
+    assert not reducer.layouts.rebuilt
     _backward(reducer, [0, 2, 1])
     reducer.prepare_for_forward()  # DDP's one rebuild, from the order of the first backward
-    assert reducer.has_rebuilt_buckets
-    assert reducer.bucket_order() == [0, 2, 1]
+    assert reducer.layouts.rebuilt
+    assert reducer.layouts.bucket_order() == [0, 2, 1]
 
 
 def test_a_restored_order_is_adopted_and_none_changes_nothing(one_rank: None) -> None:
@@ -554,7 +554,7 @@ def test_a_restored_order_is_adopted_and_none_changes_nothing(one_rank: None) ->
     reducer.restore_bucket_order(None)
     assert reducer.plan is before
     reducer.restore_bucket_order([1, 0, 2])
-    assert reducer.bucket_order() == [1, 0, 2] and reducer.plan.buckets == ((1,), (0,), (2,))
+    assert reducer.layouts.bucket_order() == [1, 0, 2] and reducer.plan.buckets == ((1,), (0,), (2,))
 
 
 def test_a_new_layout_with_bucket_views_moves_the_gradients_along(one_rank: None) -> None:
@@ -580,7 +580,7 @@ def test_a_new_layout_with_bucket_views_passes_over_a_sparse_bucket(one_rank: No
         reducer.mark_ready(i)
     reducer.finalize()
     reducer.prepare_for_forward()  # rebuilt in the order (0, 2, 1)
-    assert reducer.bucket_order() == [0, 2, 1]
+    assert reducer.layouts.bucket_order() == [0, 2, 1]
     assert params[0].grad.is_sparse and [float(p.grad[0]) for p in params[1:]] == [2.0, 3.0]
 
 

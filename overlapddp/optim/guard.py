@@ -10,7 +10,7 @@ stream than backward still reads final values.
 The same checks guard ``zero_grad()`` and, when a scaler is given, ``scaler.unscale_(optimizer)``
 (also called by ``scaler.step``), before they touch a gradient. Other in-place writes from inside
 backward (``clip_grad_norm_`` in a hook) cannot be intercepted beforehand; the reducer then reports
-them at the end of backward, before any step (see ``Reducer.watch_gradient_writes``).
+them at the end of backward, before any step (see bucket/gradient_checks.py).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class OptimizerGuard:
         if scaler is not None:
             self._unguarded_unscale = scaler.unscale_
             scaler.unscale_ = self._unscale  # type: ignore[method-assign]
-        reducer.watch_gradient_writes()
+        reducer.stages.write_watch.watchers += 1
 
     def detach(self) -> None:
         """Remove the guard from the optimizer."""
@@ -61,7 +61,7 @@ class OptimizerGuard:
         self.optimizer.zero_grad = self._unguarded_zero_grad  # type: ignore[method-assign]
         if self._scaler is not None and self._scaler.unscale_ == self._unscale:
             self._scaler.unscale_ = self._unguarded_unscale  # type: ignore[method-assign]
-        self._reducer.watch_gradient_writes(False)
+        self._reducer.stages.write_watch.watchers -= 1
 
     def check(self, action: str) -> None:
         """Raise unless ``action`` may read the gradients now."""

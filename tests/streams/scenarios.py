@@ -466,7 +466,7 @@ def _tuned(sim: Sim) -> None:
     model = wrap(sim, bucket_plan="tuned")
     opt = sgd(model)
     model.attach_optimizer(opt)
-    steps = model._reducer.final_layout_iteration + 2
+    steps = model._reducer.layouts.final_iteration + 2
     train(sim, model, opt, steps=steps)
 
 
