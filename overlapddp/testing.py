@@ -5,8 +5,8 @@ collective is slow, so races hide in local tests. These tools force the slow cas
 
 - :func:`delay_communication` delays one rank's collectives (before launch or before completion),
   or its copy into a bucket or out of it (on CUDA: sleep kernels on the stream that does it);
-- :func:`delay_parameter_gathers` delays one rank's all-gathers of a sharded optimizer's updated
-  parameters, so a forward that read them before they completed would see it;
+- :func:`delay_parameter_gathers` delays one rank's broadcasts of a sharded optimizer's updated
+  parameters, so a ``step()`` that returned before they arrived would be seen;
 - :class:`SynchronousReference` trains the obvious way (backward, reduce every gradient and wait,
   then step), the baseline to compare with;
 - :func:`unfenced` removes the fence (test-only!) so a race test can be shown to fail.
@@ -232,8 +232,9 @@ def delay_communication(model: OverlapDDP, rank: int, seconds: float, stage: str
 
 @contextmanager
 def delay_parameter_gathers(sharded: ShardedOptimizer, rank: int, seconds: float) -> Iterator[None]:
-    """Delay rank ``rank``'s launch of each all-gather of updated parameters by ``seconds`` while the
-    block runs: the other ranks' all-gathers complete that much later, so the next forward must wait."""
+    """Delay rank ``rank``'s broadcasts of updated parameters by ``seconds`` while the block runs:
+    those it owns are launched late (every other rank receives them late), and those it receives
+    land in its parameters late; a ``step()`` that returned before they arrived would be seen."""
     if seconds < 0:
         raise ValueError(f"seconds must not be negative, got {seconds}.")
     if sharded.rank != rank:
@@ -241,15 +242,38 @@ def delay_parameter_gathers(sharded: ShardedOptimizer, rank: int, seconds: float
         return
     start = sharded.gather_start
 
-    def late(gathered: torch.Tensor, shard: torch.Tensor) -> Any:
-        time.sleep(seconds)
-        return start(gathered, shard)
+    def late(tensor: torch.Tensor, owner: int) -> Any:
+        if owner == rank:
+            time.sleep(seconds)
+            return start(tensor, owner)
+        staging = torch.empty_like(tensor)
+        work = start(staging, owner)
+
+        def land() -> None:
+            work.wait()
+            time.sleep(seconds)
+            tensor.copy_(staging)
+
+        arrival = threading.Thread(target=land, daemon=True)
+        arrival.start()
+        return _Arrival(arrival)
 
     sharded.gather_start = late
     try:
         yield
     finally:
         sharded.gather_start = start
+
+
+class _Arrival:
+    """A delayed broadcast's work: ``wait()`` returns once its values are in the parameter."""
+
+    def __init__(self, thread: threading.Thread) -> None:
+        self._thread = thread
+
+    def wait(self) -> bool:
+        self._thread.join()
+        return True
 
 
 @contextmanager

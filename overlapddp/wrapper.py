@@ -20,7 +20,6 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
-from overlapddp.backend_support import backend_for
 from overlapddp.bucket.comm_hook import CommHook
 from overlapddp.bucket.comm_hook_validation import builtin_hook, check_comm_hook
 from overlapddp.compile_split import GraphSplitter, in_compiled_autograd
@@ -36,7 +35,7 @@ from overlapddp.param_usage import map_tensors, tensors_in
 from overlapddp.pickling import ReducerRecipe, bind_to_default_group, pickled_state, recipe_of
 from overlapddp.reducer import Reducer
 from overlapddp.refusals import Feature, refuse_pairs
-from overlapddp.shard.checks import ShardRequest, check_shardable
+from overlapddp.shard.checks import JOIN_REFUSAL, ShardRequest, check_shardable
 from overlapddp.shard.optimizer import ShardedOptimizer
 from overlapddp.sync_checks import SyncFlagCheck
 from overlapddp.torch_compat import let_dcp_unwrap, queue_callback, to_kwargs
@@ -392,9 +391,9 @@ class OverlapDDP(nn.Module, Joinable):
         then wait for the last bucket). Keep calling ``scaler.step(optimizer)`` and ``scaler.update()``.
         Without overlap, a ``scaler`` is guarded too: its ``unscale_(optimizer)`` gets the step's checks.
 
-        With ``shard=True`` each rank keeps the optimizer state of its shard of each bucket only (1/N):
-        buckets are reduce-scattered, each shard updated as soon as it is reduced, and the parameters
-        all-gathered before the next forward (SGD, Adam, AdamW; see docs/sharded_optimizer.md).
+        With ``shard=True`` backward is DDP's; ``step()`` updates only the parameters this rank owns
+        (1/N of the state, balanced by cost) and sends each to every rank, all arrived when it returns
+        (Muon, SGD, Adam, AdamW and other per-parameter optimizers; see docs/sharded_optimizer.md).
 
         Example::
 
@@ -413,7 +412,7 @@ class OverlapDDP(nn.Module, Joinable):
             )
         if shard:
             return self._attach_sharded(optimizer, overlap=overlap, max_grad_norm=max_grad_norm, scaler=scaler,
-                                        allow_unsynced=allow_unsynced)
+                                        allow_unsynced=allow_unsynced, strict=strict)
         if overlap:
             return OverlappedOptimizer(self._reducer, optimizer, max_grad_norm=max_grad_norm, scaler=scaler)
         if max_grad_norm is not None:
@@ -432,27 +431,20 @@ class OverlapDDP(nn.Module, Joinable):
 
     def _attach_sharded(self, optimizer: torch.optim.Optimizer, **switches: Any) -> ShardedOptimizer:
         """Check everything that decides whether sharding works (no collective), then shard."""
-        options, registered = self._reducer.options, self._reducer.comm_hook
+        attached: list[ShardedOptimizer] = self.__dict__.setdefault("_sharded_optimizers", [])
         request = ShardRequest(
-            params=self._reducer.params,
-            names=self._reducer.names,
-            module_params={id(p): n for n, p in self.module.named_parameters()},
-            options={
-                "overlap": switches["overlap"],
-                "scaler": switches["scaler"] is not None and switches["scaler"].is_enabled(),
-                "allow_unsynced": switches["allow_unsynced"],
-                "mixed_precision": self._mixed_precision is not None,
-                "gradient_as_bucket_view": options.gradient_as_bucket_view,
-                "delay_all_reduce_named_params": self._reducer.delayed is not None,
-                "sparse_gradients": any(self._reducer.sparse_gradient),
-                "tuned_plan": options.tuned_plan,
-                "skip_all_reduce_unused_params": options.skip_all_reduce_unused_params,
-            },
-            comm_hook=None if registered is None else getattr(registered[1], "__qualname__", repr(registered[1])),
-            backend=backend_for(self.process_group, self._reducer.params[0].device),
+            names={id(p): n for n, p in self.module.named_parameters()},
+            reduced=frozenset(id(p) for p in self._reducer.params),
+            taken={id(p): type(s.optimizer).__name__ for s in attached for p in s.parameters()},
+            switches={k: v is not None and v is not False for k, v in switches.items()},
+            rank=self._reducer.rank,
+            world_size=self.process_group.size(),
         )
         check_shardable(optimizer, request)
-        return ShardedOptimizer(self._reducer, self.module, optimizer, request.backend, switches["max_grad_norm"])
+        sharded = ShardedOptimizer(self._reducer, optimizer, request, self.process_group, switches["strict"],
+                                   switches["scaler"])
+        attached.append(sharded)
+        return sharded
 
     def record_fences(self) -> FenceLog:
         """Start recording every fence edge (a debug option); ``log.violations()`` checks their order."""
@@ -530,11 +522,8 @@ class OverlapDDP(nn.Module, Joinable):
 
     def join_hook(self, **kwargs: Any) -> OverlapJoinHook:
         """The hook ``Join`` runs on a rank that has run out of inputs."""
-        if self._reducer.sharded:
-            raise ValueError(
-                "join() cannot be used with a sharded optimizer (attach_optimizer(..., shard=True)): a joined rank "
-                "has no gradients to update its shards with, and the others would wait for its all-gathers."
-            )
+        if self.__dict__.get("_sharded_optimizers"):
+            raise ValueError(JOIN_REFUSAL)
         refuse_pairs(self._features(), Feature.JOIN)
         return OverlapJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 

@@ -135,24 +135,31 @@ def test_beyond_ddp_reports_every_variant_bit_equal_against_ddp_and_the_bound(tm
 
 def test_sharded_optimizer_benchmark_is_bit_equal_every_step_with_half_the_state(tmp_path):
     path = tmp_path / "sharded.json"
-    # One warm-up step and two repeats of one: the rebuilt buckets' relayout runs inside the checked steps.
-    result = run_script(SHARDED_OPTIMIZER, "--models", "transformer", "--steps", "1", "--repeats", "2", "--warmup", "1",
-                        "--json", str(path))
+    # One warm-up step and two repeats of one, with Muon and with AdamW.
+    result = run_script(SHARDED_OPTIMIZER, "--models", "muon_lm,transformer", "--steps", "1", "--repeats", "2",
+                        "--warmup", "1", "--batch-size", "2", "--json", str(path))
     check_ok(result)
     payload = json.loads(path.read_text())
     assert len(payload["commit"]) == 40
     assert payload["zero_overlap_with_ddp_error"].startswith("RuntimeError: Gloo backend")
-    model = payload["models"]["transformer"]
-    assert model["steps_compared"] == 3 and model["first_in_repeat"] == ["ddp", "zero"]
-    rows = model["variants"]
-    assert list(rows) == ["ddp", "zero", "ours"]
-    for label, row in rows.items():
-        assert row["bit_equal_every_step"] is True, (label, row["rank0_first_mismatches"])
-        assert all(b > 0 for b in row["memory"]["later_step_peak_bytes"]), label
-    assert model["targets"] == {"ours_state_at_most_ddp_over_n_plus_1pct": True, "ours_bit_equal_every_step": True}
-    assert rows["ddp"]["state_vs_ddp_over_n"] == 2  # DDP holds everything: N times its share
-    assert rows["zero"]["state_bytes_per_rank"] != rows["ddp"]["state_bytes_per_rank"]
-    assert "did not run: RuntimeError" in result.stdout and "bit-equal to ddp every step" in result.stdout
+    for name, targets in (("muon_lm", {"ours_step_at_most_0.90_of_ddp", "ours_faster_than_zero"}),
+                          ("transformer", {"ours_state_at_most_ddp_over_n_plus_1pct", "ours_no_slower_than_ddp"})):
+        model = payload["models"][name]
+        assert model["steps_compared"] == 3 and model["first_in_repeat"] == ["ddp", "zero"]
+        assert 0 < model["ddp_optimizer_share_of_step"] < 1
+        rows = model["variants"]
+        assert list(rows) == ["ddp", "zero", "ours"]
+        for label, row in rows.items():
+            assert row["bit_equal_every_step"] is True, (label, row["rank0_first_mismatches"])
+            assert all(b > 0 for b in row["memory"]["later_step_peak_bytes"]), label
+        assert model["targets"].keys() == {"ours_bit_equal_every_step", *targets}
+        assert model["targets"]["ours_bit_equal_every_step"] is True
+        assert rows["ddp"]["state_vs_ddp_over_n"] == 2  # DDP holds everything: N times its share
+        assert rows["zero"]["state_bytes_per_rank"] != rows["ddp"]["state_bytes_per_rank"]
+    assert payload["models"]["transformer"]["targets"]["ours_state_at_most_ddp_over_n_plus_1pct"] is True
+    muon = payload["models"]["muon_lm"]["variants"]
+    assert sum(muon["ours"]["muon_state_bytes_per_rank"]) == muon["ddp"]["muon_state_bytes_per_rank"][0]
+    assert "did not run: RuntimeError" in result.stdout and "Muon state / (ddp/N)" in result.stdout
 
 
 def test_plot_without_matplotlib_says_how_to_install_it(tmp_path):

@@ -26,7 +26,7 @@ LAYERS = [
     {"layout.plan", "bucket.storage", "fence", "bucket.comm_hook", "param_usage", "bucket.token_weighting",
      "module_sync", "optim.unscaler", "optim.takeover", "bucket.sparse_storage", "sync_checks", "progress",
      "sanitize.findings", "sanitize.streams", "sanitize.names", "sanitize.force",
-     "shard.layout", "shard.collectives"},
+     "shard.ownership", "shard.state", "shard.step_record"},
     {"layout.cost_model", "bucket.comm_hook_validation", "timeline", "delayed_reduction", "mixed_precision",
      "sanitize.completion",
      "layout.selection", "bucket.reduction", "bucket.gradient_checks"},
@@ -38,7 +38,7 @@ LAYERS = [
     # The adapter between Dynamo's graphs and the wrapper (it knows fx, not module hooks), and the
     # constructor's steps (validate, resolve, synchronize: it reads the nn.Module).
     {"compile_split", "construction"},
-    {"shard.optimizer"},  # the optimizer over each rank's shards; it hooks the wrapped module's forward
+    {"shard.optimizer"},  # each rank updates the parameters it owns, then broadcasts them
     {"wrapper", "shard.checkpoint",  # (the checkpoint functions read the sharded optimizer)
      "sanitize.detector"},  # (it hooks every module's forward and DDP's register_comm_hook)
     {"testing", "__init__", "sharded_checkpoint", "sanitize", "sanitize.__main__"},

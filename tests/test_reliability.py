@@ -46,29 +46,27 @@ def test_survivors_of_a_dead_rank_raise_naming_the_bucket_within_the_timeout():
         assert facts["seconds"] < 60
 
 
-def _rank_dies_before_its_all_gathers(rank: int, world_size: int) -> dict[str, object]:
-    """A sharded optimizer with clipping updates after every reduce-scatter and the norm's all-reduce
-    completed: the last rank dies there, before it launches its all-gathers; the others' fail at the
-    next forward, which waits for them."""
+def _rank_dies_before_its_sharded_step(rank: int, world_size: int) -> dict[str, object]:
+    """A sharded optimizer: after one whole step, the last rank dies between its backward and its
+    step(); the others' broadcasts in step() fail, naming that rank as the one that never entered it."""
     model = OverlapDDP(models.build("mlp"), bucket_cap_mb=0.01)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sharded = model.attach_optimizer(opt, shard=True, max_grad_norm=1.0)
-    inputs, target = models.batch("mlp", rank, 0)
-    models.loss_of(model(inputs), target).backward()  # DDP's first layout: one bucket
-    opt.step()
-    loss = models.loss_of(model(inputs), target)  # the rebuilt layout's broadcast, the all-gathers waited
-    if rank == world_size - 1:
-        sharded.gather_start = lambda gathered, shard: os._exit(1)
-    loss.backward()
-    return _error_after(lambda: model(inputs))
+    model.attach_optimizer(opt, shard=True)
+    for step in range(2):
+        inputs, target = models.batch("mlp", rank, step)
+        models.loss_of(model(inputs), target).backward()
+        if step == 1 and rank == world_size - 1:
+            os._exit(1)
+        failed = _error_after(opt.step)
+    return failed
 
 
-def test_survivors_of_a_rank_dead_before_its_all_gathers_raise_naming_the_bucket_and_the_rank():
-    results = run_ranks(3, _rank_dies_before_its_all_gathers, pg_timeout_s=20, timeout_s=120, dying=frozenset({2}))
+def test_survivors_of_a_rank_dead_before_its_sharded_step_raise_naming_the_parameter_and_the_rank():
+    results = run_ranks(3, _rank_dies_before_its_sharded_step, pg_timeout_s=20, timeout_s=120, dying=frozenset({2}))
     for rank, facts in enumerate(results[:2]):
         message = facts["message"]
-        assert "The all-gather of the updated parameters of bucket 0 (" in message, message
-        assert f"failed on rank {rank}" in message and "rank 2: at iteration 2" in message, message
+        assert "The broadcast of " in message and f"failed on rank {rank} in step()" in message, message
+        assert "this rank entered step 2" in message and "rank 2: last entered step 1" in message, message
         assert facts["seconds"] < 60
 
 

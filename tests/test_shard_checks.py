@@ -1,71 +1,88 @@
-"""``check_shardable`` alone (no spawn): what it accepts, and how many names each refusal lists."""
+"""What ``attach_optimizer(opt, shard=True)`` refuses, on one rank, before any collective, by name."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
 
-from overlapddp.shard.checks import ShardRequest, check_shardable
+from overlapddp import OverlapDDP
+from overlapddp.shard.checks import PER_PARAMETER, ShardRequest, check_shardable, is_per_parameter
+from tests import models
 
 
-def _request(params: list[torch.Tensor], **changes: object) -> ShardRequest:
-    names = [f"p{i}" for i in range(len(params))]
-    fields: dict[str, object] = dict(params=params, names=names, module_params={id(p): n for p, n in zip(params, names, strict=True)},
-                                     options={}, comm_hook=None, backend="gloo")
-    return ShardRequest(**{**fields, **changes})  # type: ignore[arg-type]
+class _AdamSubclass(torch.optim.Adam):
+    """A subclass may change the update (e.g. a trust ratio over all parameters): refused until declared."""
 
 
-def _params(count: int) -> list[torch.Tensor]:
-    return [torch.nn.Parameter(torch.zeros(3)) for _ in range(count)]
+class _DeclaredAdam(torch.optim.Adam):
+    per_parameter_update = True
 
 
-def test_a_plain_sgd_over_every_reduced_parameter_is_accepted_when_no_option_is_given():
-    params = _params(2)
-    check_shardable(torch.optim.SGD(params, lr=0.1), _request(params))  # options={}: none set
+class _InheritsTheDeclaration(_DeclaredAdam):
+    """The declaration is for the class that makes it: a further subclass declares its own."""
 
 
-def test_an_option_set_to_false_is_no_refusal_and_one_set_true_is():
-    params = _params(1)
-    check_shardable(torch.optim.SGD(params, lr=0.1), _request(params, options={"overlap": False}))
-    with pytest.raises(ValueError, match="shard=True cannot be combined with overlap"):
-        check_shardable(torch.optim.SGD(params, lr=0.1), _request(params, options={"overlap": True}))
+def _request(**switches: bool) -> ShardRequest:
+    return ShardRequest(names={}, reduced=frozenset(), taken={}, switches=switches, rank=0, world_size=2)
 
 
-def test_foreign_parameters_are_listed_four_at_most():
-    params, foreign = _params(1), _params(5)
-    with pytest.raises(ValueError) as refused:
-        check_shardable(torch.optim.SGD(params + foreign, lr=0.1), _request(params))
-    assert str(refused.value).count("group 0: shape (3,)") == 4
+def test_the_per_parameter_optimizers_and_declared_classes_are_accepted():
+    param = torch.nn.Parameter(torch.zeros(2, 2))
+    for kind in (*PER_PARAMETER, _DeclaredAdam):
+        check_shardable(kind([param]), _request(overlap=False))  # a switch given as False is no refusal
+    assert not is_per_parameter(_InheritsTheDeclaration) and not is_per_parameter(_AdamSubclass)
 
 
-def test_ignored_parameters_are_listed_four_at_most():
-    params = _params(6)
-    request = _request(params[:1], module_params={id(p): f"p{i}" for i, p in enumerate(params)})  # p1-p5 not reduced
-    with pytest.raises(ValueError, match=r"wrapper ignores \(p1, p2, p3, p4\);"):
-        check_shardable(torch.optim.SGD(params, lr=0.1), request)
+@pytest.mark.parametrize("make, match", [
+    (lambda ps: torch.optim.LBFGS(ps), "LBFGS cannot be sharded: its line search reads every parameter"),
+    (lambda ps: _AdamSubclass(ps), "_AdamSubclass cannot be sharded: it subclasses Adam.*per_parameter_update = True"),
+    (lambda ps: _InheritsTheDeclaration(ps), "_InheritsTheDeclaration cannot be sharded: it subclasses"),
+    (lambda ps: torch.optim.SparseAdam(ps), "SparseAdam cannot be sharded: shard=True needs an update of each"),
+])
+def test_optimizers_that_may_read_other_parameters_are_refused_by_name(one_rank, make, match):
+    model = OverlapDDP(models.build("mlp"))
+    with pytest.raises(ValueError, match=match):
+        model.attach_optimizer(make(model.parameters()), shard=True)
 
 
-@pytest.mark.parametrize("count, listed", [(4, "p1, p2, p3, p4 receive"), (5, "p1, p2, p3, p4, ... receive")])
-def test_missing_parameters_are_listed_four_at_most_with_an_ellipsis_beyond(count, listed):
-    params = _params(count + 1)
-    with pytest.raises(ValueError, match=listed.replace(".", r"\.")):
-        check_shardable(torch.optim.SGD(params[:1], lr=0.1), _request(params))
+@pytest.mark.parametrize("switches, match", [
+    ({"overlap": True}, "shard=True cannot be combined with overlap: overlap=True updates each bucket"),
+    ({"max_grad_norm": 1.0}, r"cannot be combined with max_grad_norm: .*call torch.nn.utils.clip_grad_norm_"),
+    ({"allow_unsynced": True}, "cannot be combined with allow_unsynced"),
+])
+def test_switches_that_cannot_work_are_refused_by_name(one_rank, switches, match):
+    model = OverlapDDP(models.build("mlp"))
+    with pytest.raises(ValueError, match=match):
+        model.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), shard=True, **switches)
 
 
-def test_parameters_not_dense_in_memory_are_listed_four_at_most():
-    params = [torch.nn.Parameter(torch.zeros(4, 4).t()[::2]) for _ in range(5)]
-    with pytest.raises(ValueError, match=r"Parameters p0, p1, p2, p3 are not dense"):
-        check_shardable(torch.optim.SGD(params, lr=0.1), _request(params))
+def test_a_parameter_in_two_sharded_optimizers_is_refused_naming_both(one_rank):
+    model = OverlapDDP(models.build("mlp"))
+    model.attach_optimizer(torch.optim.Muon([model.module[0].weight]), shard=True)
+    with pytest.raises(ValueError, match=r"AdamW holds parameters \(0\.weight\) that a sharded Muon attached before"):
+        model.attach_optimizer(torch.optim.AdamW(model.parameters()), shard=True)
 
 
-def test_parameters_of_0_elements_are_accepted_whatever_their_strides():
-    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in ((0,), (0, 4), (4, 0), (3, 0, 2))]
-    assert params[2].stride() == (1, 1)  # not a dense permutation, but nothing to cut
-    check_shardable(torch.optim.SGD(params, lr=0.1), _request(params))
+def test_join_and_new_groups_and_closures_are_refused_by_name(one_rank):
+    model = OverlapDDP(models.build("mlp"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.attach_optimizer(opt, shard=True)
+    with pytest.raises(ValueError, match="join.. cannot be used with a sharded optimizer"):
+        model.join()
+    with pytest.raises(RuntimeError, match=r"SGD.add_param_group\(\) after attach_optimizer\(..., shard=True\)"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))]})
+    inputs, target = models.batch("mlp", 0, 0)
+    models.loss_of(model(inputs), target).backward()
+    with pytest.raises(ValueError, match=r"SGD.step\(closure\) cannot be sharded"):
+        opt.step(lambda: 0.0)
 
 
-def test_a_request_is_frozen():
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        _request(_params(1)).backend = "nccl"  # type: ignore[misc]
+def test_a_step_on_gradients_accumulated_under_no_sync_is_refused(one_rank):
+    model = OverlapDDP(models.build("mlp"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.attach_optimizer(opt, shard=True)
+    inputs, target = models.batch("mlp", 0, 0)
+    with model.no_sync():
+        models.loss_of(model(inputs), target).backward()
+    with pytest.raises(RuntimeError, match="accumulated under no_sync.* on rank 0 that were never reduced"):
+        opt.step()

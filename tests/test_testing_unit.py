@@ -376,19 +376,36 @@ def test_unfenced_drains_what_it_skipped_before_restoring() -> None:
     assert unsafe._unwaited == []
 
 
+class _Broadcast:
+    """A broadcast that has already delivered: it wrote 7 into the tensor it was given."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        tensor.fill_(7.0)
+
+    def wait(self) -> bool:
+        return True
+
+
 @pytest.mark.parametrize("rank", (300, 301, 302))  # as above: either side, and not cached
-def test_delay_parameter_gathers_delays_only_the_named_ranks_launches(rank: int, sleeps: list[float]) -> None:
+def test_delay_parameter_gathers_delays_only_the_named_ranks_broadcasts(rank: int, sleeps: list[float]) -> None:
     started: list[tuple] = []
 
-    def start(gathered: torch.Tensor, shard: torch.Tensor) -> str:
-        started.append((gathered, shard))
-        return "work"
+    def start(tensor: torch.Tensor, owner: int) -> _Broadcast:
+        started.append((tensor, owner))
+        return _Broadcast(tensor)
 
     sharded = SimpleNamespace(rank=int("301"), gather_start=start)
+    owned, received = torch.zeros(2), torch.zeros(2)
     with delay_parameter_gathers(sharded, rank=rank, seconds=0.7):  # type: ignore[arg-type]
-        assert sharded.gather_start("g", "s") == "work"
-    assert sharded.gather_start is start and started == [("g", "s")]
-    assert sleeps == ([0.7] if rank == 301 else [])
+        sharded.gather_start(owned, 301).wait()  # sent by this rank: launched late
+        arriving = sharded.gather_start(received, 5)  # received: lands late, through a copy
+        arriving.wait()
+    assert sharded.gather_start is start and started[0][0] is owned
+    assert torch.equal(received, torch.full((2,), 7.0)), "wait() returns once the values are in place"
+    if rank == 301:
+        assert started[1][0] is not received and sleeps == [0.7, 0.7]
+    else:
+        assert started[1][0] is received and sleeps == []
     with pytest.raises(ValueError, match="seconds must not be negative, got -1"), delay_parameter_gathers(sharded, rank=rank, seconds=-1):  # type: ignore[arg-type]
         pass
     with delay_parameter_gathers(sharded, rank=rank, seconds=0):  # type: ignore[arg-type]  # no delay is allowed

@@ -126,23 +126,6 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         _STACKLEVEL,
     ),
     Equivalent(
-        "overlapddp/shard/layout.py",
-        "@dataclass(frozen=True) => @dataclass(frozen=False)",
-        "no Piece or BucketShard is ever assigned to or hashed (they are dict values, list items and pickled "
-        "objects), and equality, repr and pickling are the same for a frozen and a plain dataclass",
-    ),
-    Equivalent(
-        "overlapddp/shard/layout.py",
-        "if world_size < 1 or not 0 <= rank < world_size: => if world_size < 0 or not 0 <= rank < world_size:",
-        "for world_size 0 no rank satisfies 0 <= rank < 0, so the rank check refuses it anyway (tested, with "
-        "its message)",
-    ),
-    Equivalent(
-        "overlapddp/shard/layout.py",
-        "for param, length in zip(members, lengths, strict=True): => for param, length in zip(members, lengths, strict=False):",  # noqa: E501 (the line as cosmic-ray changes it)
-        "plan_shards, its only caller in the package, builds lengths from members, one per member",
-    ),
-    Equivalent(
         "overlapddp/layout/plan.py",
         "@dataclass(frozen=True) => @dataclass(frozen=False)",
         "no BucketCaps or BucketPlan is ever assigned to or hashed (plans are compared by identity, caps read), "
@@ -248,16 +231,6 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "~1 is -2: like -1 it is below every rank, so a MAX picks a candidate and all-negative still means none",
     ),
     Equivalent(
-        "overlapddp/shard/collectives.py",
-        'if backend == "gloo": => if backend <= "gloo":',
-        "the backend is one of SHARDED_BACKENDS (refused otherwise when the optimizer is sharded): 'nccl' > 'gloo'",
-    ),
-    Equivalent(
-        "overlapddp/shard/collectives.py",
-        'if backend != "gloo": => if backend > "gloo":',
-        "the backend is one of SHARDED_BACKENDS (refused otherwise when the optimizer is sharded): 'nccl' > 'gloo'",
-    ),
-    Equivalent(
         "overlapddp/join.py",
         "return bool(flag.item() != 0) => return bool(flag.item() > 0)",
         "the flag is a SUM of 0.0 and 1.0 over the ranks: never negative, so != 0 and > 0 agree",
@@ -285,12 +258,6 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "only whether the SUM is 0 is read: a sum of 2.0s is 0 exactly when a sum of 1.0s is",
     ),
     Equivalent(
-        "overlapddp/shard/relayout.py",
-        "moved[param][key] = gathered.narrow(0, start, new.length).clone() "
-        "=> moved[param][key] = gathered.narrow( -1, start, new.length).clone()",
-        "gathered is one-dimensional: its last dimension is its first",
-    ),
-    Equivalent(
         "overlapddp/bucket/token_weighting.py",
         "total = float(self._on_host[0]) => total = float(self._on_host[ -1])",
         "the host copy of the count holds one element",
@@ -299,17 +266,6 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "overlapddp/bucket/token_weighting.py",
         "total = float(future.wait()[0].item()) => total = float(future.wait()[ -1].item())",
         "an all_reduce of one tensor completes its future with a list of exactly that tensor",
-    ),
-    Equivalent(
-        "overlapddp/shard/relayout.py",
-        "@dataclass(frozen=True) => @dataclass(frozen=False)",
-        "a HeldShard is built once per relayout and only read: never assigned to or hashed",
-    ),
-    Equivalent(
-        "overlapddp/shard/relayout.py",
-        "shard.narrow(0, piece.shard_offset, piece.length).copy_(cast(torch.Tensor, entry[key])) "
-        "=> shard.narrow( -1, piece.shard_offset, piece.length).copy_(cast(torch.Tensor, entry[key]))",
-        "the shard is one-dimensional: its last dimension is its first",
     ),
     Equivalent(
         "overlapddp/bucket/token_weighting.py",
@@ -407,11 +363,6 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "overlapddp/bucket/reduction.py",
         "self._divide_by: float | None = 1 => self._divide_by: float | None = 0",
         "never read: gradients are copied in only after a synchronized forward, whose arm() sets it first",
-    ),
-    Equivalent(
-        'overlapddp/shard/checks.py',
-        'missing = [name for p, name in zip(request.params, request.names, strict=True) if id(p) not in held] => missing = [name for p, name in zip(request.params, request.names, strict=False) if id(p) not in held]',
-        "params and names are the reducer's two lists of one length (wrapper._attach_sharded): strict never fires",
     ),
     Equivalent(
         "overlapddp/timeline.py",
@@ -582,11 +533,6 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "overlapddp/bucket/reduction.py",
         "return int(work.result()[0].item()) => return int(work.result()[ -1].item())",
         "an all_reduce of one tensor completes its work with a list of exactly that tensor",
-    ),
-    Equivalent(
-        "overlapddp/shard/checkpoint.py",
-        "return {key: value.local_shards()[0].tensor if isinstance(value, ShardedTensor) else value => return {key: value.local_shards()[ -1].tensor if isinstance(value, ShardedTensor) else value",
-        "a rank's entry holds at most one local shard, its one piece of the parameter (_sharded): the first is the last",
     ),
     Equivalent(
         "overlapddp/bucket/sparse_storage.py",
@@ -793,19 +739,6 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "a fence records only 'backward end' and the four bucket edges, each of which sorts after it",
     ),
     Equivalent(
-        "overlapddp/shard/layout.py",
-        "elif length == 0 and _owner_of_empty(offset, size, world_size) == rank: => "
-        "elif length <= 0 and _owner_of_empty(offset, size, world_size) == rank:",
-        "lengths are parameters' numel(), never negative",
-    ),
-    Equivalent(
-        "overlapddp/shard/layout.py",
-        "elif length == 0 and _owner_of_empty(offset, size, world_size) == rank: => "
-        "elif length >= 0 and _owner_of_empty(offset, size, world_size) == rank:",
-        "a parameter with elements reaches this branch only when it misses this rank's shard, so it does not "
-        "start there: the rank holding its offset (offset < total <= padded, no clamp) is another one",
-    ),
-    Equivalent(
         "overlapddp/progress.py",
         "elif self.reductions < self.iteration: => elif self.reductions != self.iteration:",
         "a record never has more reductions than forwards: the reducer counts a reduction only at the end "
@@ -889,62 +822,15 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "foreach_norm returns one norm per tensor it is given: the lengths are equal",
     ),
     Equivalent(
-        "overlapddp/shard/optimizer.py",
-        "for piece, view, reduced in zip(state.shard.pieces, state.pieces, state.reduced_pieces(self.rank), strict=True): => "
-        "for piece, view, reduced in zip(state.shard.pieces, state.pieces, state.reduced_pieces(self.rank), strict=False):",
-        "pieces and reduced_pieces are both built one per shard.pieces entry: the lengths are equal",
-    ),
-    Equivalent(
-        "overlapddp/shard/optimizer.py",
-        "first = self._params[self._plan.buckets[shard.bucket][0]] => "
-        "first = self._params[self._plan.buckets[shard.bucket][ -1]]",
-        "a bucket holds parameters of one dtype and device (the plan splits buckets by both), and only those "
-        "two are read from it",
-    ),
-    Equivalent(
-        "overlapddp/shard/optimizer.py",
-        "for packed, group in zip(packed_groups, ours, strict=True): => for packed, group in []:",
-        "the inner groups' settings are read only by _update, which mirrors the user's groups into them "
-        "first; at load they decide only where a 'step' tensor lives (capturable; fused is refused), not its value",
-    ),
-    Equivalent(
-        "overlapddp/shard/optimizer.py",
-        "if self._reducer.reductions == self._stepped_at: => if self._reducer.reductions <= self._stepped_at:",
-        "the reducer's count only grows and _stepped_at is set from it, so it is never above the count",
-    ),
-    Equivalent(
-        "overlapddp/shard/optimizer.py",
-        "for group, saved in zip(ours, groups, strict=True): => for group, saved in zip(ours, groups, strict=False):",
-        "install gets as many groups as the optimizer has: load_state_dict refuses other group sizes first, a "
-        "relayout passes packed_groups(), and a DCP load fills a packed_groups() template",
-    ),
-    Equivalent(
         "overlapddp/optim/overlap.py",
         "for group, group_params in zip(groups, everything, strict=True): => "
         "for group, group_params in zip(groups, everything, strict=False):",
         "everything is built from groups one entry per group, two lines above",
     ),
     Equivalent(
-        "overlapddp/shard/optimizer.py",
-        "for key, value in parts[0][1].items(): => for key, value in parts[ -1][1].items():",
-        "every part has the same keys (checked above); a per-parameter value (Adam's step) is the same in every "
-        "piece, each updated once per step, and of a per-element one only its dtype and device are read",
-    ),
-    Equivalent(
         "overlapddp/optim/overlap.py",
         "if self._reducer.reductions == self._stepped_at: => if self._reducer.reductions is self._stepped_at:",
         STEPPED_AT_ALIASES,
-    ),
-    Equivalent(
-        "overlapddp/shard/optimizer.py",
-        "if self._reducer.reductions == self._stepped_at: => if self._reducer.reductions is self._stepped_at:",
-        STEPPED_AT_ALIASES,
-    ),
-    Equivalent(
-        "overlapddp/shard/optimizer.py",
-        "return memory_flat(tensor).narrow(0, piece.start, piece.length) => "
-        "return memory_flat(tensor).narrow( -1, piece.start, piece.length)",
-        "memory_flat returns a 1-D view: its dim -1 is dim 0",
     ),
     Equivalent(
         "overlapddp/construction.py",
@@ -956,23 +842,6 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "overlapddp/construction.py",
         'return self.args.bucket_plan == "tuned" => return self.args.bucket_plan >= "tuned"',
         "the combination rules run after bucket_plan is checked against BUCKET_PLANS, and 'ddp' sorts before 'tuned'",
-    ),
-    Equivalent(
-        "overlapddp/shard/optimizer.py",
-        "if self._reducer.plan is self._plan: => if self._reducer.plan == self._plan:",
-        "an equal plan has the same buckets: the relayout it skips would rebuild the same shards and move the "
-        "state into the same places",
-    ),
-    Equivalent(
-        "overlapddp/shard/optimizer.py",
-        "device = self._params[0].device => device = self._params[ -1].device",
-        "a module on more than one device is refused at construction: every reduced parameter is on one device",
-    ),
-    Equivalent(
-        "overlapddp/shard/optimizer.py",
-        "shard = cast(torch.Tensor, self.buffer).narrow(0, rank * self.shard.shard_length, self.shard.shard_length) => "
-        "shard = cast(torch.Tensor, self.buffer).narrow( -1, rank * self.shard.shard_length, self.shard.shard_length)",
-        "a bucket's buffer is 1-D: its dim -1 is dim 0",
     ),
     Equivalent(
         "overlapddp/construction.py",
@@ -1059,85 +928,6 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "neither a GraphSplitter nor an nn.Module defines __eq__: != is identity",
     ),
     Equivalent(
-        "overlapddp/shard/optimizer.py",
-        'for packed, group in zip(packed_groups, ours, strict=True): => for packed, group in zip(packed_groups, ours, strict=False):',
-        "each shard's inner optimizer is built with one group per group of the user's optimizer (_bucket_state), and add_param_group is refused once attached: the lengths are equal, so strict never fires",
-    ),
-    Equivalent(
-        "overlapddp/shard/optimizer.py",
-        'for inner_group, group in zip(state.inner.param_groups, self.optimizer.param_groups, strict=True): => for inner_group, group in zip(state.inner.param_groups, self.optimizer.param_groups, strict=False):',
-        "each shard's inner optimizer is built with one group per group of the user's optimizer (_bucket_state), and add_param_group is refused once attached: the lengths are equal, so strict never fires",
-    ),
-    Equivalent(
-        "overlapddp/shard/optimizer.py",
-        'if TYPE_CHECKING: => if not TYPE_CHECKING:',
-        "the guarded import names types used only in annotations, which this module never evaluates (from __future__ "
-        "import annotations); importing them at run time binds names nothing reads, and the suite imports the package whole",
-    ),
-    Equivalent(
-        "overlapddp/shard/optimizer.py",
-        'zip(members, shard.offsets, strict=True)], => zip(members, shard.offsets, strict=False)],',
-        "plan_shards gives a bucket one offset per member: the lengths are equal, so strict never fires",
-    ),
-    Equivalent(
-        "overlapddp/shard/optimizer.py",
-        '[gathered.narrow(0, offset, self._params[i].numel()) for i, offset in => [gathered.narrow( -1, offset, self._params[i].numel()) for i, offset in',
-        "the tensor narrowed is a flat 1-D buffer: its dim -1 is dim 0",
-    ),
-    Equivalent(
-        "overlapddp/shard/optimizer.py",
-        'pieces = [params.narrow(0, piece.shard_offset, piece.length) for piece in shard.pieces] => pieces = [params.narrow( -1, piece.shard_offset, piece.length) for piece in shard.pieces]',
-        "the tensor narrowed is a flat 1-D buffer: its dim -1 is dim 0",
-    ),
-    Equivalent(
-        "overlapddp/shard/optimizer.py",
-        'return [shard.narrow(0, piece.shard_offset, piece.length) for piece in self.shard.pieces] => return [shard.narrow( -1, piece.shard_offset, piece.length) for piece in self.shard.pieces]',
-        "the tensor narrowed is a flat 1-D buffer: its dim -1 is dim 0",
-    ),
-    Equivalent(
-        "overlapddp/shard/optimizer.py",
-        'if self._reducer.plan is not self._plan and self._reducer.plan.buckets != self._plan.buckets: => if self._reducer.plan != self._plan and self._reducer.plan.buckets != self._plan.buckets:',
-        "the second test compares the buckets, and BucketPlan equality compares them too: two plans with different "
-        "buckets are neither identical nor equal, so the error fires in the same cases",
-    ),
-    Equivalent(
-        "overlapddp/shard/optimizer.py",
-        'for piece, view in zip(shard.pieces, pieces, strict=True): => for piece, view in zip(shard.pieces, pieces, strict=False):',
-        "the views are cut from the shard's pieces one for one (_bucket_state): the lengths are equal, so strict never fires",
-    ),
-    Equivalent(
-        "overlapddp/shard/optimizer.py",
-        'piece_of = {id(view): piece for piece, view in zip(state.shard.pieces, state.pieces, strict=True)} => piece_of = {id(view): piece for piece, view in zip(state.shard.pieces, state.pieces, strict=False)}',
-        "the views are cut from the shard's pieces one for one (_bucket_state): the lengths are equal, so strict never fires",
-    ),
-    Equivalent(
-        "overlapddp/shard/optimizer.py",
-        'return [(piece, dict(entry)) for piece, view in zip(state.shard.pieces, state.pieces, strict=True) => return [(piece, dict(entry)) for piece, view in zip(state.shard.pieces, state.pieces, strict=False)',
-        "the views are cut from the shard's pieces one for one (_bucket_state): the lengths are equal, so strict never fires",
-    ),
-    Equivalent(
-        "overlapddp/shard/optimizer.py",
-        'index = next(i for i, (a, b) in enumerate(zip(now, built, strict=False)) if a != b) => index = next(i for i, (a, b) in enumerate(zip(now, built, strict=True)) if a != b)',
-        "two layouts of the same parameters that differ differ at an index below both lengths (the docstring's "
-        "argument): next() stops there, before zip could reach the shorter one's end",
-    ),
-    Equivalent(
-        "overlapddp/shard/optimizer.py",
-        'self._holds_state = False  # whether any shard has optimizer state (equal on every rank) => self._holds_state = True  # whether any shard has optimizer state (equal on every rank)',
-        "set on every rank alike, it makes a relayout before the first step move state that no shard has: the move "
-        "finds no entries, installs the optimizer's own settings and an empty state, and costs one collective more",
-    ),
-    Equivalent(
-        "overlapddp/shard/optimizer.py",
-        'if covered != target.numel() or any(entry.keys() != parts[0][1].keys() for _, entry in parts): => if covered != target.numel() or any(entry.keys() != parts[ -1][1].keys() for _, entry in parts):',
-        "every entry is compared with one of them: all keys equal the first's exactly when all equal the last's",
-    ),
-    Equivalent(
-        "overlapddp/shard/optimizer.py",
-        'device = self._buckets[0].params.device => device = self._buckets[ -1].params.device',
-        "a module on more than one device is refused at construction: every shard is on one device",
-    ),
-    Equivalent(
         "overlapddp/compile_split.py",
         'if len(pieces) <= 1: => if len(pieces) == 1:',
         "_with_outputs always ends with the piece that reaches the last node: there is at least one piece",
@@ -1204,8 +994,8 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "overlapddp/wrapper.py",
         "if shard and (self._reducer.after_bucket_reduced is not None or self._reducer.after_all_reduced is not None): "
         "=> if shard and (self._reducer.after_bucket_reduced is not None and self._reducer.after_all_reduced is not None):",
-        "the overlapped optimizer sets both callbacks together; the sharded one, which sets only the second, is "
-        "refused by the check just above",
+        "the overlapped optimizer sets both callbacks together, and nothing else sets either (the sharded "
+        "optimizer steps in step(), through no reducer callback)",
     ),
     Equivalent(
         "overlapddp/wrapper.py",
@@ -1392,12 +1182,5 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "backend=backend_for(self.process_group, self._reducer.params[0].device), => "
         "backend=backend_for(self.process_group, self._reducer.params[ -1].device),",
         _ONE_TRAINABLE_DEVICE,
-    ),
-    Equivalent(
-        "overlapddp/shard/checks.py",
-        "odd = [name for p, name in zip(request.params, request.names, strict=True) => "
-        "odd = [name for p, name in zip(request.params, request.names, strict=False)",
-        "params and names are one request's, built together: equal lengths, so strict never "
-        "fires",
     ),
 )

@@ -49,8 +49,10 @@ HOOK_VALUES = "tests/test_comm_hooks.py::test_hook_parameters_and_buffers_equal_
 HOOK_ORDER = ("tests/test_option_pairs.py::"
               "test_collectives_started_between_a_hooks_callbacks_keep_one_order_on_every_rank")
 USER_INPUTS = "tests/test_user_inputs.py::test_user_inputs_and_outputs_are_bit_equal_to_ddp_in_every_mode"
-SHARDED_WS2 = "tests/test_sharded_optimizer.py::test_sharded_updates_are_bit_equal_to_ddp_and_the_same_optimizer[2]"
-SHARDED_WS3 = "tests/test_sharded_optimizer.py::test_sharded_updates_are_bit_equal_to_ddp_and_the_same_optimizer[3]"
+SHARDED_WS2 = "tests/test_sharded_optimizer.py::test_every_line_of_a_ddp_loop_is_bit_equal_with_the_optimizers_sharded[2]"
+SHARDED_RESUME = "tests/test_sharded_optimizer.py::test_checkpoints_resume_bit_exact_across_world_sizes_2_and_3"
+SHARDED_ONE_RANK = ("tests/test_sharded_optimizer_one_rank.py::"
+                    "test_each_owned_update_is_launched_at_once_and_the_others_are_left_to_their_owners")
 TOKENS_EXACT = "tests/test_token_weighting.py::test_token_weighting_is_bit_equal_to_ddp_dividing_by_the_global_count_every_step"
 
 
@@ -433,68 +435,52 @@ MUTATIONS = (
         (HOOK_ORDER,),
     ),
     Mutation(
-        "shard_gathers_not_waited_at_forward",
-        "sharded optimizer: the next forward runs before the updated parameters' all-gathers completed",
+        "shard_step_returns_before_the_broadcasts",
+        "sharded optimizer: step() returns without waiting for the owners' broadcasts",
         "overlapddp/shard/optimizer.py",
-        "        self.gather_parameters()\n        self._relayout_if_replanned()\n",
-        "        self._relayout_if_replanned()\n",
-        (SHARDED_WS2,),
-    ),
-    Mutation(
-        "shard_clip_norm_local_only",
-        "sharded clipping: each rank clips with the norm of its own pieces, not the global norm",
-        "overlapddp/shard/optimizer.py",
-        "        dist.all_reduce(local, group=self._group)\n",
+        "        self._wait(launched)\n",
         "",
         (SHARDED_WS2,),
     ),
     Mutation(
-        "shard_settings_not_mirrored",
-        "sharded optimizer: the shards keep the settings they were built with; an LR scheduler's change is lost",
+        "shard_every_rank_updates_everything",
+        "sharded optimizer: every rank updates every parameter (and keeps state for all of them)",
         "overlapddp/shard/optimizer.py",
-        "                    inner_group.update(_hyperparameters(group))\n",
-        "                    pass\n",
+        "            if owner == self.rank:\n",
+        "            if True:\n",
+        (SHARDED_ONE_RANK,),
+    ),
+    Mutation(
+        "shard_unreduced_parameters_not_updated",
+        "sharded optimizer: a parameter the wrapper does not reduce is updated by no rank",
+        "overlapddp/shard/optimizer.py",
+        "        if self._local:\n",
+        "        if False:\n",
         (SHARDED_WS2,),
     ),
     Mutation(
-        "shard_unused_gets_zero_gradient",
-        "sharded optimizer: a parameter no rank used gets the zero shard instead of no gradient (Adam steps it)",
-        "overlapddp/shard/optimizer.py",
-        "        if written:\n            return reduced\n",
-        "        return reduced\n",
+        "shard_consolidated_from_this_rank",
+        "sharded state_dict(): each entry taken from this rank instead of its owner",
+        "overlapddp/shard/state.py",
+        "            held = everyone[owner].get(index)\n",
+        "            held = everyone[rank].get(index)\n",
         (SHARDED_WS2,),
     ),
     Mutation(
-        "shard_clipping_state_kept_after_abandon",
-        "sharded clipping: a dropped iteration's buckets and norm shares are kept into the next backward",
-        "overlapddp/shard/optimizer.py",
-        "        self._waiting, self._squares = [], []\n",
-        "        pass\n",
-        ("tests/test_sharded_optimizer.py::test_an_iteration_dropped_mid_reduction_leaves_no_clipping_state_behind",),
-    ),
-    Mutation(
-        "shard_gather_failure_unnamed",
-        "sharded optimizer: a failed all-gather raises gloo's bare error, naming no bucket or rank behind",
-        "overlapddp/shard/optimizer.py",
-        "                raise self._gather_failed(index, error) from error\n",
-        "                raise\n",
-        ("tests/test_reliability.py::test_survivors_of_a_rank_dead_before_its_all_gathers_raise_naming_the_bucket_and_the_rank",),
-    ),
-    Mutation(
-        "shard_relayout_piece_from_slot_start",
-        "sharded optimizer: after DDP's bucket rebuild each new piece's state is copied from its parameter's start",
-        "overlapddp/shard/relayout.py",
-        "                    start = bucket.shard.offsets[slot] + new.start\n",
-        "                    start = bucket.shard.offsets[slot]\n",
-        (SHARDED_WS2,),
-    ),
-    Mutation(
-        "shard_checkpoint_piece_at_shard_offset",
-        "sharded DCP checkpoint: each piece saved at its offset in the rank's shard, not in its parameter",
+        "shard_checkpoint_reads_the_others_entries",
+        "sharded DCP load: each rank reads the entries of the parameters it does not own",
         "overlapddp/shard/checkpoint.py",
-        "ShardMetadata([piece.start], [piece.length]",
-        "ShardMetadata([piece.shard_offset], [piece.length]",
-        (SHARDED_WS3,),
+        "            if optimizer.owner_of(index_of[name]) not in (None, optimizer.rank):\n",
+        "            if optimizer.owner_of(index_of[name]) in (None, optimizer.rank):\n",
+        (SHARDED_RESUME,),
+    ),
+    Mutation(
+        "shard_broadcast_failure_unnamed",
+        "sharded optimizer: a failed broadcast raises gloo's bare error, naming no parameter or rank",
+        "overlapddp/shard/optimizer.py",
+        "            except Exception as error:\n                raise RuntimeError(\n",
+        "            except Exception as error:\n                raise\n                raise RuntimeError(\n",
+        ("tests/test_reliability.py::test_survivors_of_a_rank_dead_before_its_sharded_step_raise_naming_the_parameter_and_the_rank",),
     ),
 )
 

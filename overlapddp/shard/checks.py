@@ -1,118 +1,84 @@
-"""Can this optimizer be sharded across ranks on this model? Every refusal, checked before any collective.
+"""Can this optimizer be sharded by whole parameters on this model? Every refusal, checked before any collective.
 
-A sharded update is bit-equal to the user's optimizer only when the update of an element reads
-nothing but that element, its gradient and its state: SGD (momentum, weight decay, nesterov),
-Adam and AdamW. Optimizers that read a whole tensor (LAMB's and LARS's trust ratios, Adafactor's
-factored moments) or all of them (LBFGS) are refused, as is every subclass (its step may read more).
-Each refusal names the optimizer, the parameter group, the option or the parameters.
+With ``shard=True`` each parameter is updated by one rank only, which then sends it to the others.
+That is DDP's result exactly when the update of a parameter reads nothing but that parameter, its
+gradient and its own state: the optimizers in ``PER_PARAMETER`` do, and a user's class may declare
+that its own does (``per_parameter_update = True`` in its class body). Optimizers that read other
+parameters (LBFGS's line search over all of them) are refused by name, as is any subclass that did
+not declare itself (its ``step`` may read more than its parent's).
+
+Each refusal names the optimizer, the option or the parameters, and says what to do instead.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
-from overlapddp.bucket.storage import is_dense_permutation
-from overlapddp.shard.collectives import SHARDED_BACKENDS
+# The torch optimizers whose update of one parameter reads only that parameter's gradient and state.
+PER_PARAMETER: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Muon, torch.optim.Adafactor,
+    torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam,
+)
+# The class attribute by which a user's optimizer declares a per-parameter update.
+DECLARATION = "per_parameter_update"
 
-# The optimizers whose update is elementwise, and for each the names of its per-element state
-# (every other state entry, e.g. Adam's step, is one value per parameter).
-ELEMENTWISE_STATE: dict[type[torch.optim.Optimizer], frozenset[str]] = {
-    torch.optim.SGD: frozenset({"momentum_buffer"}),
-    torch.optim.Adam: frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}),
-    torch.optim.AdamW: frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}),
+# attach_optimizer switches that shard=True cannot honor, and why (the switch is named in the error).
+REFUSED_SWITCHES: dict[str, str] = {
+    "overlap": "overlap=True updates each bucket during backward; shard=True updates in step(), each rank its own "
+    "parameters. Pass one of them",
+    "max_grad_norm": "with shard=True every rank holds DDP's full reduced gradients: call "
+    "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) before step(), as with DDP",
+    "allow_unsynced": "a step on gradients that were not reduced would send the owner's local update to every rank",
 }
+# Why join() is refused once a sharded optimizer is attached (the wrapper's join_hook raises this).
+JOIN_REFUSAL = (
+    "join() cannot be used with a sharded optimizer (attach_optimizer(..., shard=True)): in step() every rank "
+    "waits for the broadcasts of the parameters the others own, and a joined rank never sends its own."
+)
 
 
 @dataclass(frozen=True)
 class ShardRequest:
-    """What the wrapper knows about its configuration that decides whether sharding can work."""
+    """What the wrapper knows that decides whether, and how, an optimizer can be sharded."""
 
-    params: Sequence[torch.Tensor]  # the reduced parameters (the reducer's), in order
-    names: Sequence[str]  # their names
-    module_params: dict[int, str]  # id -> name (a tied one's first) of every parameter of the wrapped module
-    options: dict[str, bool]  # the wrapper's switches that sharding cannot combine with, by name
-    comm_hook: str | None  # the registered communication hook's name
-    backend: str  # the process group's backend for the parameters' device
+    names: dict[int, str]  # id -> name (a tied one's first) of every parameter of the wrapped module
+    reduced: frozenset[int]  # ids of the parameters whose gradients the wrapper reduces
+    taken: dict[int, str]  # id -> the optimizer class already sharding that parameter
+    switches: dict[str, bool]  # attach_optimizer's switches, by name: True where given
+    rank: int
+    world_size: int
 
 
-# Why each switch cannot be combined with a sharded optimizer.
-_INCOMPATIBLE = {
-    "overlap": "overlap=True updates whole parameters after an all-reduce; shard=True already overlaps its "
-    "updates with the reduce-scatters. Pass one of them",
-    "mixed_precision": "mixed_precision reduces every bucket through its own communication hook and casts the "
-    "parameters per forward; the reduce-scatter and the all-gather of full-precision shards do neither",
-    "gradient_as_bucket_view": "gradient_as_bucket_view makes param.grad a view of the bucket, but only this "
-    "rank's shard of it is reduced",
-    "delay_all_reduce_named_params": "delayed parameters are all-reduced outside the buckets, so no shard holds them",
-    "sparse_gradients": "a sparse gradient has no flat layout to cut into shards",
-    "tuned_plan": "bucket_plan='tuned' models an all-reduce and a copy into param.grad, not a reduce-scatter, "
-    "an update and an all-gather",
-    "skip_all_reduce_unused_params": "a skipped bucket's local gradients would need a local, unsharded update",
-    "scaler": "a GradScaler must see every gradient before any update (found Inf/NaN); not supported with shard=True",
-    "allow_unsynced": "a step on local gradients would update each rank's shard with different gradients",
-}
+def is_per_parameter(kind: type[torch.optim.Optimizer]) -> bool:
+    """Whether ``kind`` is a known per-parameter optimizer, or declares itself one in its own body."""
+    return kind in PER_PARAMETER or vars(kind).get(DECLARATION, False) is True
 
 
 def check_shardable(optimizer: torch.optim.Optimizer, request: ShardRequest) -> None:
-    """Raise ValueError (naming the optimizer, group, option or parameters) unless sharding can work."""
+    """Raise ValueError (naming the optimizer, the switch or the parameters) unless sharding works."""
     kind = type(optimizer)
-    if kind not in ELEMENTWISE_STATE:
+    if not is_per_parameter(kind):
+        if isinstance(optimizer, torch.optim.LBFGS):
+            why = "its line search reads every parameter and re-evaluates the loss"
+        elif issubclass(kind, PER_PARAMETER):
+            why = (f"it subclasses {', '.join(t.__name__ for t in kind.__mro__ if t in PER_PARAMETER)} and its step "
+                   f"may read more; if its update of a parameter reads only that parameter, its gradient and its "
+                   f"state, set {DECLARATION} = True in its class body")
+        else:
+            why = (f"shard=True needs an update of each parameter that reads only that parameter, its gradient and "
+                   f"its state ({', '.join(t.__name__ for t in PER_PARAMETER)}, or a class that sets "
+                   f"{DECLARATION} = True in its body)")
+        raise ValueError(f"{kind.__name__} cannot be sharded: {why}. Attach it without shard=True.")
+    for switch, why in REFUSED_SWITCHES.items():
+        if request.switches.get(switch, False):
+            raise ValueError(f"shard=True cannot be combined with {switch}: {why}.")
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    twice = sorted({request.names.get(id(p), f"shape {tuple(p.shape)}") for p in held if id(p) in request.taken})
+    if twice:
+        first = request.taken[next(id(p) for p in held if id(p) in request.taken)]
         raise ValueError(
-            f"{kind.__name__} cannot be sharded: shard=True supports only optimizers whose update is elementwise "
-            f"({', '.join(t.__name__ for t in ELEMENTWISE_STATE)}, not subclasses). Optimizers that read a whole "
-            "tensor (LAMB, LARS, Adafactor) or all of them (LBFGS) would see only this rank's pieces. Attach it "
-            "without shard=True."
+            f"{kind.__name__} holds parameters ({', '.join(twice[:4])}) that a sharded {first} attached before "
+            "already updates; give each parameter to one optimizer."
         )
-    if request.backend not in SHARDED_BACKENDS:
-        raise ValueError(
-            f"shard=True supports the {' and '.join(SHARDED_BACKENDS)} backends, not {request.backend}: the "
-            "reduce-scatter and all-gather of each bucket are written for theirs. Attach it without shard=True."
-        )
-    for option, why in _INCOMPATIBLE.items():
-        if request.options.get(option, False):
-            raise ValueError(f"shard=True cannot be combined with {option}: {why}.")
-    if request.comm_hook is not None:
-        raise ValueError(
-            f"shard=True cannot be combined with the communication hook {request.comm_hook}: each bucket is "
-            "reduce-scattered, and a hook's all-reduced result has no place to go."
-        )
-    for g, group in enumerate(optimizer.param_groups):
-        for option in ("fused", "differentiable"):
-            if group.get(option):
-                raise ValueError(
-                    f"{kind.__name__} parameter group {g} has {option}=True, which shard=True does not support "
-                    "(a fused kernel, or an autograd graph through the update, on this rank's pieces); create the "
-                    f"optimizer with {option}=False."
-                )
-    _check_parameters(optimizer, request)
-
-
-def _check_parameters(optimizer: torch.optim.Optimizer, request: ShardRequest) -> None:
-    """The optimizer must hold exactly the reduced parameters (frozen ones of the module may be added)."""
-    held = {id(p): (g, p) for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
-    foreign = sorted(f"group {g}: shape {tuple(p.shape)}" for i, (g, p) in held.items()
-                     if i not in request.module_params)
-    if foreign:
-        raise ValueError(f"The optimizer holds parameters that are not the model's ({'; '.join(foreign[:4])}).")
-    reduced = {id(p) for p in request.params}
-    ignored = sorted(request.module_params[i] for i, (_, p) in held.items() if i not in reduced and p.requires_grad)
-    if ignored:
-        raise ValueError(
-            f"The optimizer holds parameters the wrapper ignores ({', '.join(ignored[:4])}); their gradients are "
-            "not reduced, so no rank's shard holds them. Step them with a separate optimizer."
-        )
-    missing = [name for p, name in zip(request.params, request.names, strict=True) if id(p) not in held]
-    if missing:
-        raise ValueError(
-            f"Parameters {', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''} receive reduced gradients "
-            "but are not in the optimizer: with shard=True no rank holds their full reduced gradient for another "
-            "optimizer to step. Put every parameter in this optimizer, or attach without shard=True."
-        )
-    # A parameter of 0 elements has no memory to cut, whatever its strides (shape (4, 0) has (1, 1)).
-    odd = [name for p, name in zip(request.params, request.names, strict=True)
-           if p.numel() and not is_dense_permutation(p)]
-    if odd:
-        raise ValueError(f"Parameters {', '.join(odd[:4])} are not dense in memory; shard=True cuts their memory.")

@@ -638,10 +638,7 @@ def _reducer_module() -> Any:
 
 
 def _flat_names(kind: str) -> list[tuple[Any, str]]:
-    """Every name the flat ``kind`` collective is reached by: torch's (old and new), torch_compat's,
-    and the sharded optimizer's collectives' import of it."""
-    from overlapddp.shard import collectives as shard_collectives
-
+    """Every name the flat ``kind`` collective is reached by: torch's (old and new) and torch_compat's."""
     old = {"reduce_scatter": "reduce_scatter_tensor", "all_gather": "all_gather_into_tensor"}[kind]
-    names = [(dist, old), (torch_compat, f"{kind}_flat"), (shard_collectives, f"{kind}_flat")]
+    names = [(dist, old), (torch_compat, f"{kind}_flat")]
     return names + ([(dist, f"{kind}_single")] if hasattr(dist, f"{kind}_single") else [])
