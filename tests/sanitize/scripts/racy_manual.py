@@ -14,7 +14,7 @@ model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 torch.manual_seed(1 + dist.get_rank())  # each rank its own data
 
-for _ in range(5):
+for step in range(5):
     x, y = torch.randn(16, 32), torch.randn(16, 1)
     loss = nn.functional.mse_loss(model(x), y)
     loss.backward()
@@ -23,5 +23,7 @@ for _ in range(5):
     for work in works:
         work.wait()
     opt.zero_grad()
+    if dist.get_rank() == 0:
+        print(f"step {step}: loss {loss.item():.4f}")
 
 dist.destroy_process_group()
