@@ -20,7 +20,7 @@ FRAMEWORKS = {"lightning", "pytorch_lightning", "accelerate", "transformers", "r
 # Lowest first; a module may import only from strictly lower layers.
 # A module of a subpackage is named with its package: ``layout.plan``; ``layout`` is its ``__init__``.
 LAYERS = [
-    {"device_streams", "torch_compat", "clock", "backend_support", "options", "frames",
+    {"device_streams", "torch_compat", "clock", "backend_support", "options", "frames", "refusals",
      "bucket", "layout", "optim", "shard",  # (the folders' docstrings)
      "sanitize.clocks", "sanitize.collectives", "sanitize.memory"},  # the race detector: apart from the rest
     {"layout.plan", "bucket.storage", "fence", "bucket.comm_hook", "param_usage", "bucket.token_weighting",
