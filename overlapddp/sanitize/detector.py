@@ -189,7 +189,10 @@ def _ddp_patch(observed: _Observed) -> tuple[Any, str, Any]:
 
 
 def _value(fut: Any) -> Any:
-    return fut.value()
+    """The hook's result as DDP's reducer reads it: a tensor (a collective's own future holds a list of
+    one, which the reducer unpacks itself; a Python callback's value must be the tensor)."""
+    value = fut.value()
+    return value[0] if isinstance(value, (list, tuple)) else value
 
 
 @contextlib.contextmanager
