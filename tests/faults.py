@@ -125,7 +125,7 @@ def _unchained_hooks() -> tuple[object, str, object]:
 
 def _join_ignores_remaining_ranks() -> tuple[object, str, object]:
     """Under Join, always divide by the initial world size, even when told to count remaining ranks."""
-    return reducer.Reducer, "set_join_count", lambda self, work, divide_by_initial_world_size: None
+    return bucket_reduction.BucketReduction, "set_join_count", lambda self, work, divide_by_initial_world_size: None
 
 
 FAULTS = {

@@ -224,17 +224,9 @@ MUTATIONS = (
     Mutation(
         "overlapped_update_before_copy_out",
         "overlap=True updates a bucket's parameters before its reduced gradients are written",
-        "overlapddp/bucket/pipeline.py",
-        "            self.storage.copy_out(result, write, as_view=shared.gradient_as_bucket_view)\n"
-        "            written = [p.grad for p in self.storage.params if p.grad is not None]\n"
-        '            shared.fence.consumed(self.index, "copy to param.grad", written)\n'
-        "        if after is not None:\n"
-        "            after(self.storage.params)\n",
-        "            if after is not None:\n"
-        "                after(self.storage.params)\n"
-        "            self.storage.copy_out(result, write, as_view=shared.gradient_as_bucket_view)\n"
-        "            written = [p.grad for p in self.storage.params if p.grad is not None]\n"
-        '            shared.fence.consumed(self.index, "copy to param.grad", written)\n',
+        "overlapddp/reducer.py",
+        "        self.consumers.append(consumer)\n",
+        "        self.consumers.insert(0, consumer)\n",
         (f"{OVERLAP}::test_overlapped_updates_are_bit_equal_to_ddp_then_step[2]",),
     ),
     Mutation(
@@ -422,7 +414,7 @@ MUTATIONS = (
         "delayed_launch_amid_hook_chains",
         "the delayed all-reduce starts at its hook parameter's gradient even while PowerSGD chains issue collectives",
         "overlapddp/reducer.py",
-        "        chained = self._shared.reduction.issues_from_callbacks\n",
+        "        chained = self.reduction.issues_from_callbacks\n",
         "        chained = False\n",
         (HOOK_ORDER,),
     ),
@@ -430,7 +422,7 @@ MUTATIONS = (
         "usage_reduction_amid_hook_chains",
         "find_unused_parameters: the usage flags' all-reduce starts with the last bucket amid PowerSGD's chains",
         "overlapddp/reducer.py",
-        "                if not self._shared.reduction.issues_from_callbacks:  # else finalize launches it\n",
+        "                if not self.reduction.issues_from_callbacks:  # else finalize launches it\n",
         "                if True:\n",
         (HOOK_ORDER,),
     ),
