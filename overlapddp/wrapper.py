@@ -16,12 +16,11 @@ from typing import Any, Callable, Iterator, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
 from overlapddp.bucket.comm_hook import CommHook
-from overlapddp.bucket.comm_hook_validation import builtin_hook, check_comm_hook
+from overlapddp.bucket.comm_hook_validation import builtin_hook, check_comm_hook, check_hook_state
 from overlapddp.compile_split import GraphSplitter, in_compiled_autograd
 from overlapddp.construction import Arguments, Construction, resolve, synchronize
 from overlapddp.delayed_reduction import DelayedReduction
@@ -324,13 +323,8 @@ class OverlapDDP(nn.Module, Joinable):
         """Reduce each bucket with ``hook(state, bucket)``; the stock DDP hooks run unmodified."""
         check_comm_hook(hook, self.process_group)
         refuse_pairs(self._features(), Feature.COMM_HOOK, hook=getattr(hook, "__qualname__", repr(hook)))
-        if isinstance(state, PowerSGDState) and self._sparse_names:
-            raise ValueError(
-                f"PowerSGD compresses flat dense buckets, but {', '.join(self._sparse_names)} produce sparse "
-                "gradients (stock DDP hangs here); use sparse=False for them or another hook."
-            )
-        if self._reducer.options.tuned_plan:
-            _check_per_bucket_state(state, self._reducer.layouts.final_iteration)
+        layout_final_at = self._reducer.layouts.final_iteration if self._reducer.options.tuned_plan else 0
+        check_hook_state(state, self._sparse_names, layout_final_at)
         self._reducer.reduction.set_comm_hook(state, hook)
 
     @property
@@ -539,17 +533,6 @@ class OverlapDDP(nn.Module, Joinable):
 # DCP's state-dict helpers (get_model_state_dict, get_state_dict, ...) drop OverlapDDP's ``module.``
 # prefix as they drop DDP's, so checkpoints move between the two.
 let_dcp_unwrap(OverlapDDP)
-
-
-def _check_per_bucket_state(state: object, final_layout_iteration: int) -> None:
-    """PowerSGD keeps state per bucket index from ``start_powerSGD_iter`` on: the tuned layout must be
-    final by then (DDP's own rebuild comes early enough for PowerSGD's minimum of 2)."""
-    if isinstance(state, PowerSGDState) and state.start_powerSGD_iter < final_layout_iteration:
-        raise ValueError(
-            f"PowerSGD keeps per-bucket state from iteration start_powerSGD_iter={state.start_powerSGD_iter} on, "
-            f"but the buckets change until iteration {final_layout_iteration} (bucket_plan='tuned'); set "
-            f"start_powerSGD_iter >= {final_layout_iteration} or use bucket_plan='ddp'."
-        )
 
 
 def _fence_of(reducer_ref: weakref.ReferenceType[Reducer]) -> Callable[[], Fence]:

@@ -1,4 +1,4 @@
-"""DDP's checks on a communication hook before it is registered, and its built-in hooks."""
+"""DDP's checks on a communication hook and its state before it is registered, and its built-in hooks."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
 from overlapddp.bucket.comm_hook import Bucket, CommHook
 
@@ -43,6 +44,26 @@ def check_comm_hook(hook: CommHook, process_group: dist.ProcessGroup) -> None:
         raise ValueError(
             f"Communication hook {name}: return annotation should be torch.futures.Future[torch.Tensor], "
             f"got {returned!r}."
+        )
+
+
+def check_hook_state(state: object, sparse_names: list[str], layout_final_at: int) -> None:
+    """Refuse a hook state that cannot work with these buckets: PowerSGD over a sparse gradient's
+    bucket, or PowerSGD keeping per-bucket state (from ``start_powerSGD_iter`` on) before the tuned
+    layout is final (``layout_final_at``; DDP's own rebuild comes early enough for PowerSGD's minimum
+    of 2)."""
+    if not isinstance(state, PowerSGDState):
+        return
+    if sparse_names:
+        raise ValueError(
+            f"PowerSGD compresses flat dense buckets, but {', '.join(sparse_names)} produce sparse "
+            "gradients (stock DDP hangs here); use sparse=False for them or another hook."
+        )
+    if state.start_powerSGD_iter < layout_final_at:
+        raise ValueError(
+            f"PowerSGD keeps per-bucket state from iteration start_powerSGD_iter={state.start_powerSGD_iter} on, "
+            f"but the buckets change until iteration {layout_final_at} (bucket_plan='tuned'); set "
+            f"start_powerSGD_iter >= {layout_final_at} or use bucket_plan='ddp'."
         )
 
 
