@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel.distributed import _MixedPrecision
 
 from overlapddp import OverlapDDP
 from overlapddp.bucket import reduction
@@ -42,6 +44,7 @@ TUNED_STEPS = 2 + tuner.TUNING_ITERATIONS  # every candidate layout in turn, the
 CAP_MB = 0.0005  # several buckets (about 130 floats each)
 MAX_NORM = 0.05  # small enough that every step clips
 LR = 0.1
+PRECISION = _MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
 INF_STEP, INF_RANK = 1, 1  # the GradScaler loop makes this rank's loss infinite at this step
 
 
@@ -113,9 +116,9 @@ class Run:
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.tokens is None:
-            return nn.functional.mse_loss(self.model(x), y)
+            return nn.functional.mse_loss(self.model(x).float(), y)
         self.tokens.count(self.model, y)
-        return nn.functional.mse_loss(self.model(x), y, reduction="sum")
+        return nn.functional.mse_loss(self.model(x).float(), y, reduction="sum")
 
     def record(self, **reads: Any) -> None:
         """After a step: parameters, buffers, optimizer state and settings, what the line read."""
@@ -383,6 +386,7 @@ class Mode:
     muon: bool = False  # Muon on the hidden 2-D weights and AdamW on the rest, instead of the line's optimizer
     tokens: bool = False  # count_tokens; the reference divides by the global count in a hook
     tuned: bool = False  # bucket_plan="tuned"; the reference reduces by hand in the layouts it used
+    precision: bool = False  # mixed_precision=PRECISION; the reference casts and reduces by hand likewise
     compile_width: int | None = None  # torch.compile(wrapper) over Net(width); None: not compiled
     world_sizes: tuple[int, ...] = WORLD_SIZES
     lines: tuple[str, ...] = tuple(LINES)
@@ -399,10 +403,15 @@ MODES: dict[str, Mode] = {
                          "each bucket by the global count in a hook)", tokens=True),
     "tuned": Mode("OverlapDDP(net, bucket_plan='tuned') (reference: DDP's arithmetic by hand, reduced in the "
                   "layouts it chose)", tuned=True, world_sizes=(3,)),
-    "compile": Mode("torch.compile(OverlapDDP(net)), one bucket", compile_width=16,
-                    lines=("clip_grad_norm", "read_params")),
-    "compile_buckets": Mode("torch.compile(OverlapDDP(net), bucket_cap_mb=1), several buckets", compile_width=400,
-                            lines=("accumulate_no_sync", "lr_scheduler")),
+    "mixed_precision": Mode("OverlapDDP(net, mixed_precision=bfloat16 parameters, float32 reduction) (reference: "
+                            "DDP's casts by hand, reduced in the layouts it used)", precision=True,
+                            # model.module alone cannot run on float32 inputs with bfloat16 buffers (nor under DDP)
+                            lines=tuple(line for line in LINES if line != "eval_forward")),
+    # Compiling takes seconds per model: one line each, at one world size.
+    "compile": Mode("torch.compile(OverlapDDP(net)), one bucket", compile_width=16, world_sizes=(2,),
+                    lines=("clip_grad_norm",)),
+    "compile_buckets": Mode("torch.compile(OverlapDDP(net, bucket_cap_mb=1)), several buckets", compile_width=400,
+                            world_sizes=(2,), lines=("accumulate_no_sync",)),
 }
 
 
@@ -483,18 +492,25 @@ def _optimizers(line: Line, mode: Mode, module: nn.Module) -> list[torch.optim.O
 
 
 class ByHand(nn.Module):
-    """Stock DDP's arithmetic written out, reducing in given layouts (stock DDP cannot take a layout):
-    buffers broadcast from rank 0 at each forward after a synchronized one; at the end of a
-    synchronized backward, each bucket's gradients times ``1 / world_size`` (DDP's ``mul_out``, the
-    reciprocal rounded once) SUM-all-reduced, in the next layout of ``layouts`` (the last one repeats)."""
+    """Stock DDP's arithmetic written out, reducing in given layouts (stock DDP takes no layout, and
+    runs ``mixed_precision`` only on CUDA): buffers broadcast from rank 0 at each forward after a
+    synchronized one; at the end of a synchronized backward, bucket by bucket in the next layout of
+    ``layouts`` (the last one repeats), each gradient times ``1 / world_size`` (DDP's ``mul_out``)
+    SUM-all-reduced. With ``precision``, DDP's casts instead (as tests/precision_reference.py): each
+    forward runs on ``param_dtype`` copies of the parameters (and their accumulated gradients) and
+    inputs; each bucket is cast to ``reduce_dtype``, summed and divided by the world size in it."""
 
-    def __init__(self, net: nn.Module, layouts: list[list[list[int]]]) -> None:
+    def __init__(self, net: nn.Module, layouts: list[list[list[int]]], precision: _MixedPrecision | None) -> None:
         super().__init__()
         self.module = net
         self.layouts = layouts
+        self.precision = precision
         self.require_backward_grad_sync = True
         self._sync_buffers = True  # DDP's require_forward_param_sync
         self._reductions = 0
+        self._full: dict[nn.Parameter, torch.Tensor] = {}  # full-precision values while the copies are in use
+        for b in net.buffers() if precision is not None else ():
+            b.data = b.to(precision.buffer_dtype)
         for p in net.parameters():
             dist.broadcast(p.detach(), 0)
 
@@ -512,6 +528,14 @@ class ByHand(nn.Module):
                 dist.broadcast(b, 0)
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         self._sync_buffers = sync
+        if self.precision is not None and torch.is_grad_enabled():
+            dtype = self.precision.param_dtype
+            for p in self.module.parameters():
+                full = self._full.setdefault(p, p.data)
+                if p.grad is not None:
+                    p.grad.data = p.grad.to(dtype)
+                p.data = full.to(dtype)
+            x = x.to(dtype)
         output = self.module(x)
         return _AtEndOfBackward.apply(self._reduce, output) if sync else output
 
@@ -519,16 +543,24 @@ class ByHand(nn.Module):
         layout = self.layouts[min(self._reductions, len(self.layouts) - 1)]
         self._reductions += 1
         params = [p for p in self.module.parameters() if p.requires_grad]
-        scale = 1.0 / dist.get_world_size()
+        reduced: dict[int, torch.Tensor] = {}
         for members in layout:
             grads = [params[i].grad for i in members]
-            flat = torch.empty(sum(g.numel() for g in grads))
-            views = flat.split([g.numel() for g in grads])
-            for g, view in zip(grads, views, strict=True):
-                torch.mul(g, scale, out=view.view_as(g))
+            if self.precision is None:
+                flat = torch.empty(sum(g.numel() for g in grads))
+                for g, view in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+                    torch.mul(g, 1.0 / dist.get_world_size(), out=view.view_as(g))
+            else:
+                flat = torch.cat([g.reshape(-1) for g in grads]).to(self.precision.reduce_dtype)
             dist.all_reduce(flat)
-            for g, view in zip(grads, views, strict=True):
-                g.copy_(view.view_as(g))
+            if self.precision is not None:
+                flat.div_(dist.get_world_size())
+            reduced.update(zip(members, flat.split([g.numel() for g in grads]), strict=True))
+        for p, full in self._full.items():  # full precision again, before the gradients take its dtype
+            p.data = full
+        self._full = {}
+        for i, flat_grad in reduced.items():
+            params[i].grad = flat_grad.view_as(params[i]).to(params[i].dtype)
 
 
 class _AtEndOfBackward(torch.autograd.Function):
@@ -554,9 +586,10 @@ def _wrap(mode: Mode, candidate: bool, layouts: list[list[list[int]]]) -> Any:
         wrapper = OverlapDDP if candidate else DistributedDataParallel
         return torch.compile(wrapper(net, bucket_cap_mb=cap), backend="aot_eager")
     if candidate:
-        return OverlapDDP(net, bucket_cap_mb=CAP_MB, bucket_plan="tuned" if mode.tuned else "ddp")
-    if mode.tuned:
-        return ByHand(net, layouts)
+        return OverlapDDP(net, bucket_cap_mb=CAP_MB, bucket_plan="tuned" if mode.tuned else "ddp",
+                          mixed_precision=PRECISION if mode.precision else None)
+    if mode.tuned or mode.precision:
+        return ByHand(net, layouts, PRECISION if mode.precision else None)
     return DistributedDataParallel(net, bucket_cap_mb=CAP_MB)
 
 
@@ -569,6 +602,14 @@ class Side:
     layouts: list[list[list[int]]]
 
 
+def _record_layout(used: list[list[list[int]]]) -> Callable[..., None]:
+    """A forward hook that appends the layout a synchronized forward installed for its backward."""
+    def hook(model: OverlapDDP, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled() and model.require_backward_grad_sync:
+            used.append(model.bucket_indices())
+    return hook
+
+
 def train(cell: Cell, rank: int, candidate: bool, layouts: list[list[list[int]]]) -> Side:
     """Build one side of ``cell`` and run its loop; an error stops it and is kept with the loop line it
     surfaced at (the innermost frame of the loop's own function)."""
@@ -578,7 +619,7 @@ def train(cell: Cell, rank: int, candidate: bool, layouts: list[list[list[int]]]
     used: list[list[list[int]]] = []
     if candidate:
         ours = getattr(model, "_orig_mod", model)
-        ours.register_forward_hook(lambda m, args, out: used.append(m.bucket_indices()))
+        ours.register_forward_hook(_record_layout(used))
         for opt in opts if mode.attach is not None else ():
             ours.attach_optimizer(opt, **mode.attach)
     tokens = TokenCounts() if mode.tokens else None
@@ -593,7 +634,7 @@ def train(cell: Cell, rank: int, candidate: bool, layouts: list[list[list[int]]]
         frames = [f for f in traceback.extract_tb(raised.__traceback__)
                   if f.filename == __file__ and f.name == line.loop.__name__]
         error = {"type": type(raised).__name__, "message": str(raised), "step": len(run.trace),
-                 "at": frames[-1].line if frames else None, "where": traceback.format_exc()[-1500:]}
+                 "at": frames[-1].line if frames else None, "where": traceback.format_exc()[-3000:]}
     return Side(run.trace, error, used)
 
 
@@ -629,7 +670,11 @@ def run_cell(rank: int, cell: Cell) -> dict[str, Any]:
 
 def run_cells(rank: int, world_size: int, chosen: list[Cell]) -> dict[str, dict[str, Any]]:
     """Every chosen cell at this world size, in one spawn."""
-    return {cell.name: run_cell(rank, cell) for cell in chosen}
+    found = {}
+    for cell in chosen:
+        started = time.perf_counter()
+        found[cell.name] = run_cell(rank, cell) | {"seconds": time.perf_counter() - started}
+    return found
 
 
 # -- judging ---------------------------------------------------------------------------------------
