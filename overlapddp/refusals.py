@@ -98,10 +98,11 @@ def refuse_pairs(in_force: Collection[Feature], adding: Feature | None = None, *
     """Raise the first refused combination among ``in_force`` (and ``adding``, which must be in every
     pair checked when given: at construction, every pair among the constructor's features counts)."""
     for refusal in REFUSALS:
-        if adding is not None and adding not in refusal.pair:
-            continue
-        others = refusal.pair - {adding} if adding is not None else refusal.pair
-        if len(refusal.pair) == 1 and adding is not None:
-            others = refusal.pair  # adding a feature already in force
-        if others <= set(in_force):
+        if adding is None:
+            applies = len(refusal.pair) == 2 and refusal.pair <= set(in_force)
+        elif len(refusal.pair) == 1:
+            applies = refusal.pair == {adding} and adding in in_force  # the same feature a second time
+        else:
+            applies = adding in refusal.pair and refusal.pair - {adding} <= set(in_force)
+        if applies:
             raise refusal.error(refusal.message.format(**known))
