@@ -265,3 +265,49 @@ def test_a_failed_backward_leaves_no_stale_unscaling_behind(one_rank):
             opt.zero_grad()
         results.append([p.detach().clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=False))
+
+
+def _split_muon(params):
+    """Muon on the 2-D weights, AdamW on the rest: the usual pairing (Muon takes matrices only)."""
+    params = list(params)
+    return [torch.optim.Muon([p for p in params if p.ndim == 2], lr=0.02),
+            torch.optim.AdamW([p for p in params if p.ndim != 2], lr=1e-3)]
+
+
+PER_PARAMETER_CASES = {
+    "adagrad": lambda ps: [torch.optim.Adagrad(ps, lr=0.01)],
+    "rmsprop": lambda ps: [torch.optim.RMSprop(ps, lr=1e-3, momentum=0.9)],
+    "nadam": lambda ps: [torch.optim.NAdam(ps, lr=1e-3)],
+    "radam": lambda ps: [torch.optim.RAdam(ps, lr=1e-3)],
+    "adafactor": lambda ps: [torch.optim.Adafactor(ps, lr=1e-2)],
+    "muon_and_adamw": _split_muon,
+}
+
+
+def _compare_per_parameter(rank: int, world_size: int) -> dict[str, list[bool]]:
+    """Every other per-parameter optimizer overlapped (Muon beside AdamW: two consumers), unclipped."""
+    results = {}
+    for name, make in PER_PARAMETER_CASES.items():
+        ddp = DistributedDataParallel(models.build("transformer"), bucket_cap_mb=0.001)
+        ours = OverlapDDP(models.build("transformer"), bucket_cap_mb=0.001)
+        ddp_opts, our_opts = make(ddp.parameters()), make(ours.parameters())
+        for opt in our_opts:
+            ours.attach_optimizer(opt, overlap=True)
+        equal = []
+        for step in range(3):
+            inputs, target = models.batch("transformer", rank, step)
+            for wrapper, opts in ((ddp, ddp_opts), (ours, our_opts)):
+                models.loss_of(wrapper(inputs), target).backward()
+                for opt in opts:
+                    opt.step()
+                    opt.zero_grad()
+            equal.append(all(torch.equal(a, b) for a, b in zip(ddp.state_dict().values(), ours.state_dict().values(),
+                                                                strict=True)))
+        results[name] = equal
+    return results
+
+
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_every_per_parameter_optimizer_overlapped_is_bit_equal_to_ddp_then_step(world_size):
+    for results in run_ranks(world_size, _compare_per_parameter, timeout_s=SLOW_TIMEOUT_S):
+        assert results == {name: [True] * 3 for name in PER_PARAMETER_CASES}

@@ -40,9 +40,16 @@ def test_a_subclass_of_a_per_parameter_optimizer_is_refused_naming_it(one_rank: 
     class MySGD(torch.optim.SGD):
         pass
 
+    class Declared(torch.optim.SGD):
+        per_parameter_update = True
+
     model = _wrapped()
-    with pytest.raises(ValueError, match="MySGD cannot be overlapped bucket by bucket; overlap supports SGD, Adam, AdamW"):
+    with pytest.raises(ValueError, match=(
+        "MySGD cannot be overlapped bucket by bucket: it subclasses SGD and its step may read more; if its update of a "
+        "parameter reads only that parameter, its gradient and its state, set per_parameter_update = True"
+    )):
         model.attach_optimizer(MySGD(model.parameters(), lr=0.1), overlap=True)
+    model.attach_optimizer(Declared(model.parameters(), lr=0.1), overlap=True)
 
 
 def test_a_closure_is_refused_and_step_counts_each_synchronized_backward_once(one_rank: None) -> None:

@@ -25,14 +25,10 @@ from typing import Any
 import torch
 
 from overlapddp.bucket.consumer import ReducedBucket
-from overlapddp.optim.takeover import give_back_step, take_over_step
+from overlapddp.optim.takeover import give_back_step, is_per_parameter, narrowed, take_over_step, why_not_per_parameter
 from overlapddp.optim.unscaler import BucketUnscaler
 from overlapddp.reducer import Reducer
 from overlapddp.torch_compat import foreach_mul_, foreach_norm
-
-# Per-parameter update rules (SGD with momentum, weight decay, nesterov; Adam; AdamW): a parameter's
-# new value depends only on its own gradient and state, so the update can be split by bucket.
-PER_PARAMETER_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
 
 class OverlappedOptimizer:
@@ -49,11 +45,11 @@ class OverlappedOptimizer:
         norm_type: float = 2.0,
         scaler: torch.amp.GradScaler | None = None,
     ) -> None:
-        if type(optimizer) not in PER_PARAMETER_OPTIMIZERS:
+        kind = type(optimizer)
+        if not is_per_parameter(kind):
             raise ValueError(
-                f"{type(optimizer).__name__} cannot be overlapped bucket by bucket; overlap supports "
-                f"{', '.join(t.__name__ for t in PER_PARAMETER_OPTIMIZERS)}. Use attach_optimizer(optimizer) "
-                "without overlap: its step then runs after backward, as with DDP."
+                f"{kind.__name__} cannot be overlapped bucket by bucket: {why_not_per_parameter(kind)}. Use "
+                "attach_optimizer(optimizer) without overlap: its step then runs after backward, as with DDP."
             )
         if any(group.get("fused") for group in optimizer.param_groups):
             raise ValueError("A fused optimizer updates all parameters in one kernel; create it with fused=False.")
@@ -121,16 +117,8 @@ class OverlappedOptimizer:
     def _update_bucket(self, params: list[torch.Tensor]) -> None:
         """Step the optimizer over this bucket's parameters only: each group briefly lists just its
         members of the bucket (the update of one parameter reads only its own gradient and state)."""
-        members = {id(p) for p in params}
-        groups = self.optimizer.param_groups
-        everything = [group["params"] for group in groups]
-        try:
-            for group, group_params in zip(groups, everything, strict=True):
-                group["params"] = [p for p in group_params if id(p) in members]
+        with narrowed(self.optimizer.param_groups, {id(p) for p in params}):
             self._update()
-        finally:
-            for group, group_params in zip(groups, everything, strict=True):
-                group["params"] = group_params
 
     def _measure_bucket(self, params: list[torch.Tensor]) -> None:
         """Clipping needs the total norm first: compute this bucket's share while others reduce."""
@@ -182,10 +170,14 @@ class OverlappedOptimizer:
                 for (device, _), members in groups.items():
                     foreach_mul_([p.grad for p in members], coef.to(device))
 
-    def _step(self, closure: Any = None) -> None:
+    def _step(self, closure: Any = None, **kwargs: Any) -> None:
         """Return once every bucket's update has run (they run during backward's end)."""
-        if closure is not None:
-            raise NotImplementedError("An overlapped optimizer cannot re-evaluate a closure.")
+        if closure is not None or kwargs:
+            given = "a closure" if closure is not None else f"{sorted(kwargs)}"
+            raise NotImplementedError(
+                f"An overlapped optimizer cannot re-evaluate a closure or take step() arguments (got {given}): "
+                "its update already ran during backward."
+            )
         changed = [i for i, (grad, version) in enumerate(self._versions) if grad._version != version]
         if changed:
             self._versions = []
