@@ -627,14 +627,14 @@ def train(cell: Cell, rank: int, candidate: bool, layouts: list[list[list[int]]]
         model.register_comm_hook(tokens.state, hooks.divide_by_total_hook)
     run = Run(model, opts, rank, TUNED_STEPS if mode.tuned else STEPS, tokens)
     error = None
-    try:
-        with PLANTED[cell.planted][2]() if candidate and cell.planted else contextlib.nullcontext():
+    with PLANTED[cell.planted][2]() if candidate and cell.planted else contextlib.nullcontext():
+        try:
             line.loop(run)
-    except Exception as raised:
-        frames = [f for f in traceback.extract_tb(raised.__traceback__)
-                  if f.filename == __file__ and f.name == line.loop.__name__]
-        error = {"type": type(raised).__name__, "message": str(raised), "step": len(run.trace),
-                 "at": frames[-1].line if frames else None, "where": traceback.format_exc()[-3000:]}
+        except Exception as raised:
+            frames = [f for f in traceback.extract_tb(raised.__traceback__)
+                      if f.filename == __file__ and f.name == line.loop.__name__]
+            error = {"type": type(raised).__name__, "message": str(raised), "step": len(run.trace),
+                     "at": frames[-1].line if frames else None, "where": traceback.format_exc()[-3000:]}
     return Side(run.trace, error, used)
 
 
@@ -670,10 +670,14 @@ def run_cell(rank: int, cell: Cell) -> dict[str, Any]:
 
 def run_cells(rank: int, world_size: int, chosen: list[Cell]) -> dict[str, dict[str, Any]]:
     """Every chosen cell at this world size, in one spawn."""
-    found = {}
+    found: dict[str, dict[str, Any]] = {}
     for cell in chosen:
         started = time.perf_counter()
-        found[cell.name] = run_cell(rank, cell) | {"seconds": time.perf_counter() - started}
+        try:
+            found[cell.name] = run_cell(rank, cell)
+        except Exception:  # the harness itself (a planted fault that no longer applies, a reference)
+            found[cell.name] = {"crash": traceback.format_exc()[-3000:]}
+        found[cell.name]["seconds"] = time.perf_counter() - started
     return found
 
 
@@ -681,8 +685,11 @@ def run_cells(rank: int, world_size: int, chosen: list[Cell]) -> dict[str, dict[
 
 
 def judge(cell: Cell, rank: int, found: dict[str, Any]) -> tuple[str, str]:
-    """The cell's outcome on one rank (``equal``, ``raises``, ``contract`` or ``silent``) and why."""
+    """The cell's outcome on one rank (``equal``, ``raises``, ``contract`` or ``silent``; ``crash``
+    when the harness failed) and why."""
     key = (cell.line, cell.mode)
+    if "crash" in found:
+        return "crash", f"the harness failed: {found['crash']}"
     if found["reference_error"] is not None:
         return "silent", f"the reference raised (a harness fault): {found['reference_error']['where']}"
     error, differences = found["error"], found["differences"]
