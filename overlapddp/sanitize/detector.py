@@ -5,9 +5,10 @@ While :func:`detect` runs: every process-group method that launches a collective
 ``is_completed`` and ``torch.Future``'s ``wait``/``value``/``done``/``then``/``add_done_callback``
 (and ``torch.futures.collect_all``/``wait_all``) report what this rank observed; a dispatch mode
 checks every op on the calling thread (``accesses.py``); a global forward pre-hook collects the
-modules whose parameter names a finding uses. A comm hook registered with stock DDP is wrapped so
-that the C++ reducer's wait on its future (which Python cannot see) is observed by a ``then``
-callback the reducer waits for. Every patch is undone on exit, in reverse order.
+modules whose parameter names a finding uses. Stock DDP's C++ reducer waits on a comm hook's future
+where Python cannot see it, but that future is a ``then`` chain (DDP accepts no other: its result
+must be a Python object), whose callback observed the collective first. Every patch is undone on
+exit, in reverse order.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch.nn.modules.module import register_module_forward_pre_hook
-from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp.sanitize.accesses import Accesses
 from overlapddp.sanitize.collectives import METHODS, Method, split
@@ -172,29 +172,6 @@ def _future_patches(observed: _Observed) -> list[tuple[Any, str, Any]]:  # noqa:
             (torch.futures, "wait_all", wait_all)]
 
 
-def _ddp_patch(observed: _Observed) -> tuple[Any, str, Any]:
-    """DDP's C++ reducer waits on a comm hook's future where Python cannot see it; a ``then`` on the
-    hook's future (the same value, one more callback) is what the reducer then waits on, and observes."""
-    real_register = DistributedDataParallel.register_comm_hook
-
-    def register_comm_hook(ddp: Any, state: object, hook: Callable[..., Any]) -> None:
-        @functools.wraps(hook)
-        def observed_hook(hook_state: Any, bucket: Any) -> Any:
-            fut = hook(hook_state, bucket)
-            return fut.then(_value) if observed.get(fut) else fut
-
-        real_register(ddp, state, observed_hook)
-
-    return (DistributedDataParallel, "register_comm_hook", register_comm_hook)
-
-
-def _value(fut: Any) -> Any:
-    """The hook's result as DDP's reducer reads it: a tensor (a collective's own future holds a list of
-    one, which the reducer unpacks itself; a Python callback's value must be the tensor)."""
-    value = fut.value()
-    return value[0] if isinstance(value, (list, tuple)) else value
-
-
 @contextlib.contextmanager
 def _patched(patches: list[tuple[Any, str, Any]]) -> Iterator[None]:
     saved = [(obj, attr, obj.__dict__.get(attr, _MISSING)) for obj, attr, _ in patches]
@@ -253,7 +230,7 @@ def detect(force: bool = False, report_dir: str | os.PathLike[str] | None = None
     observed = _Observed(collectives)
     patches = [(dist.ProcessGroup, name, _launcher(method, getattr(dist.ProcessGroup, name), observed, force))
                for name, method in METHODS.items() if hasattr(dist.ProcessGroup, name)]
-    patches += _work_patches(observed) + _future_patches(observed) + [_ddp_patch(observed)] + model.patches()
+    patches += _work_patches(observed) + _future_patches(observed) + model.patches()
     _ACTIVE.append(True)
     hook = register_module_forward_pre_hook(lambda module, _: names.saw(module))
     try:

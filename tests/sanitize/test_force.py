@@ -10,7 +10,7 @@ import pytest
 from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
 from tests.sanitize import zoo
 
-CLEAN = ["manual_waits", "ddp_plain", "ddp_allreduce_hook", "ddp_raw_future_hook", "ddp_powersgd", "overlap_default", "overlap_optimizer",
+CLEAN = ["manual_waits", "ddp_plain", "ddp_allreduce_hook", "ddp_powersgd", "overlap_default", "overlap_optimizer",
          "overlap_sharded", "overlap_powersgd", "zero"]
 RACY = ["manual_step", "manual_clip", "ddp_delayed", "gather", "numpy_read"]
 

@@ -255,17 +255,6 @@ def ddp_allreduce_hook(rank: int, world_size: int) -> list[torch.Tensor]:
     return _ddp_loop(model, torch.optim.SGD(model.parameters(), lr=LR), rank)
 
 
-def _raw_future_hook(state, bucket):  # type: ignore[no-untyped-def]
-    """Divide, then return the all-reduce's own future: DDP's C++ reducer waits on it, unseen by Python."""
-    return dist.all_reduce(bucket.buffer().div_(dist.get_world_size()), async_op=True).get_future()
-
-
-def ddp_raw_future_hook(rank: int, world_size: int) -> list[torch.Tensor]:
-    model = DistributedDataParallel(_net(), bucket_cap_mb=0.0005)
-    model.register_comm_hook(None, _raw_future_hook)
-    return _ddp_loop(model, torch.optim.SGD(model.parameters(), lr=LR), rank)
-
-
 def ddp_powersgd(rank: int, world_size: int) -> list[torch.Tensor]:
     model = DistributedDataParallel(_net())
     state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
@@ -316,8 +305,7 @@ def zero(rank: int, world_size: int) -> list[torch.Tensor]:
 
 CLEAN: dict[str, Callable[[int, int], list[torch.Tensor]]] = {
     "manual_waits": manual_waits, "ddp_plain": ddp_plain, "ddp_no_sync": ddp_no_sync,
-    "ddp_static_graph": ddp_static_graph, "ddp_allreduce_hook": ddp_allreduce_hook,
-    "ddp_raw_future_hook": ddp_raw_future_hook, "ddp_powersgd": ddp_powersgd,
+    "ddp_static_graph": ddp_static_graph, "ddp_allreduce_hook": ddp_allreduce_hook, "ddp_powersgd": ddp_powersgd,
     "overlap_default": overlap_default, "overlap_guarded": overlap_guarded, "overlap_optimizer": overlap_optimizer,
     "overlap_sharded": overlap_sharded, "overlap_powersgd": overlap_powersgd, "zero": zero,
 }
