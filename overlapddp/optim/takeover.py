@@ -43,7 +43,7 @@ def why_not_per_parameter(kind: type[torch.optim.Optimizer]) -> str:
     if parents:
         return (f"it subclasses {', '.join(parents)} and its step may read more; if its update of a parameter reads "
                 f"only that parameter, its gradient and its state, set {DECLARATION} = True in its class body")
-    return ("its update must read only each parameter, its gradient and its state "
+    return ("it needs an update of each parameter that reads only that parameter, its gradient and its state "
             f"({', '.join(t.__name__ for t in PER_PARAMETER)}, or a class that sets {DECLARATION} = True in its body)")
 
 

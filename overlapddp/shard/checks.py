@@ -2,10 +2,9 @@
 
 With ``shard=True`` each parameter is updated by one rank only, which then sends it to the others.
 That is DDP's result exactly when the update of a parameter reads nothing but that parameter, its
-gradient and its own state: the optimizers in ``PER_PARAMETER`` do, and a user's class may declare
-that its own does (``per_parameter_update = True`` in its class body). Optimizers that read other
-parameters (LBFGS's line search over all of them) are refused by name, as is any subclass that did
-not declare itself (its ``step`` may read more than its parent's).
+gradient and its own state (optim/takeover.py: the known optimizers, a class's declaration, and why
+one cannot). Optimizers that read other parameters (LBFGS's line search over all of them) are
+refused by name, as is any subclass that did not declare itself.
 
 Each refusal names the optimizer, the option or the parameters, and says what to do instead.
 """
@@ -16,13 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-# The torch optimizers whose update of one parameter reads only that parameter's gradient and state.
-PER_PARAMETER: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Muon, torch.optim.Adafactor,
-    torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam,
-)
-# The class attribute by which a user's optimizer declares a per-parameter update.
-DECLARATION = "per_parameter_update"
+from overlapddp.optim.takeover import is_per_parameter, why_not_per_parameter
 
 # attach_optimizer switches that shard=True cannot honor, and why (the switch is named in the error).
 REFUSED_SWITCHES: dict[str, str] = {
@@ -51,25 +44,11 @@ class ShardRequest:
     world_size: int
 
 
-def is_per_parameter(kind: type[torch.optim.Optimizer]) -> bool:
-    """Whether ``kind`` is a known per-parameter optimizer, or declares itself one in its own body."""
-    return kind in PER_PARAMETER or vars(kind).get(DECLARATION, False) is True
-
-
 def check_shardable(optimizer: torch.optim.Optimizer, request: ShardRequest) -> None:
     """Raise ValueError (naming the optimizer, the switch or the parameters) unless sharding works."""
     kind = type(optimizer)
     if not is_per_parameter(kind):
-        if isinstance(optimizer, torch.optim.LBFGS):
-            why = "its line search reads every parameter and re-evaluates the loss"
-        elif issubclass(kind, PER_PARAMETER):
-            why = (f"it subclasses {', '.join(t.__name__ for t in kind.__mro__ if t in PER_PARAMETER)} and its step "
-                   f"may read more; if its update of a parameter reads only that parameter, its gradient and its "
-                   f"state, set {DECLARATION} = True in its class body")
-        else:
-            why = (f"shard=True needs an update of each parameter that reads only that parameter, its gradient and "
-                   f"its state ({', '.join(t.__name__ for t in PER_PARAMETER)}, or a class that sets "
-                   f"{DECLARATION} = True in its body)")
+        why = why_not_per_parameter(kind)
         raise ValueError(f"{kind.__name__} cannot be sharded: {why}. Attach it without shard=True.")
     for switch, why in REFUSED_SWITCHES.items():
         if request.switches.get(switch, False):

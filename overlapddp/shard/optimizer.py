@@ -19,13 +19,12 @@ optimizer does. ``state_dict()`` and ``load_state_dict()`` speak the plain optim
 
 from __future__ import annotations
 
-import types
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from overlapddp.optim.takeover import narrowed, take_over_step
 from overlapddp.reducer import Reducer
 from overlapddp.shard.checks import ShardRequest
 from overlapddp.shard.ownership import Ownership, plan_ownership, update_cost
@@ -73,9 +72,7 @@ class ShardedOptimizer:
         self._plain_state_dict = optimizer.state_dict
         self._plain_load_state_dict = optimizer.load_state_dict
         self._plain_add_param_group = optimizer.add_param_group
-        # Bound to the optimizer (an LR scheduler rebinds step's function to it), calling ours.
-        optimizer.step = types.MethodType(  # type: ignore[method-assign]
-            lambda _optimizer, closure=None, **kwargs: self.step(closure, **kwargs), optimizer)
+        take_over_step(optimizer, self.step)
         optimizer.state_dict = self.state_dict  # type: ignore[method-assign]
         optimizer.load_state_dict = self.load_state_dict  # type: ignore[method-assign]
         optimizer.add_param_group = self._refuse_new_group  # type: ignore[method-assign]
@@ -118,6 +115,8 @@ class ShardedOptimizer:
                 "on every rank, but each rank updates only its own parameters. Call the closure before step()."
             )
         self._check("optimizer.step()")
+        if self._record.entered == 0:
+            self._agree()
         self._record.enter()
         launched: list[tuple[int, Any]] = []
         for index, owner in self._schedule:
@@ -132,7 +131,7 @@ class ShardedOptimizer:
 
     def _update_only(self, indices: list[int], kwargs: dict[str, Any]) -> None:
         """The user's step over these parameters alone (its groups briefly list only them)."""
-        with _narrowed(self.optimizer.param_groups, {id(self._held[i][1]) for i in indices}):
+        with narrowed(self.optimizer.param_groups, {id(self._held[i][1]) for i in indices}):
             self._update(**kwargs)
 
     def _wait(self, launched: list[tuple[int, Any]]) -> None:
@@ -165,6 +164,21 @@ class ShardedOptimizer:
         gradients = [p.grad for _, p in self._held if p.grad is not None]
         self._reducer.fence.make_visible(strict=self.strict, gradients=gradients)
 
+    def _agree(self) -> None:
+        """Before the first step's broadcasts: every rank must have planned the same owners for the
+        same parameters, or the broadcasts would pair wrongly (one gather of the plans, once)."""
+        mine = [(name, tuple(p.shape), owner) for name, (_, p), owner in zip(self.param_names, self._held, self._owners,
+                                                                              strict=True)]
+        plans: list[Any] = [None] * self.world_size
+        dist.all_gather_object(plans, mine, group=self.process_group)
+        differ = [rank for rank, plan in enumerate(plans) if plan != mine]
+        if differ:
+            raise ValueError(
+                f"The sharded {type(self.optimizer).__name__} differs between ranks {differ} and rank {self.rank}: "
+                f"{_first_difference(mine, plans[differ[0]], self.rank, differ[0])}. Build the optimizer with the same "
+                "parameters and groups, in the same order, on every rank."
+            )
+
     def _unscale(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer is self.optimizer:
             self._check("GradScaler.unscale_()")
@@ -196,6 +210,14 @@ class ShardedOptimizer:
         return [p for _, p in self._held]
 
 
+def _first_difference(mine: list[Any], theirs: list[Any], rank: int, other: int) -> str:
+    """Where two ranks' plans (name, shape, owner per parameter) first part."""
+    for index, (a, b) in enumerate(zip(mine, theirs, strict=False)):
+        if a != b:
+            return f"parameter {index} is (name, shape, owner) {a} on rank {rank}, {b} on rank {other}"
+    return f"rank {rank} holds {len(mine)} parameters, rank {other} {len(theirs)}"
+
+
 def _interleaved(sharded: list[int], owners: list[int | None], costs: list[float],
                  world_size: int) -> list[tuple[int, int]]:
     """The order every rank walks: the ranks' parameters taken in turns, each rank's most expensive
@@ -207,16 +229,3 @@ def _interleaved(sharded: list[int], owners: list[int | None], costs: list[float
     for turn in range(max((len(q) for q in queues), default=0)):
         order.extend((q[turn], rank) for rank, q in enumerate(queues) if turn < len(q))
     return order
-
-
-@contextmanager
-def _narrowed(groups: list[dict[str, Any]], keep: set[int]) -> Iterator[None]:
-    """Each group lists only its parameters in ``keep`` while the block runs."""
-    everything = [group["params"] for group in groups]
-    try:
-        for group, params in zip(groups, everything, strict=True):
-            group["params"] = [p for p in params if id(p) in keep]
-        yield
-    finally:
-        for group, params in zip(groups, everything, strict=True):
-            group["params"] = params
