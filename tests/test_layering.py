@@ -40,7 +40,7 @@ LAYERS = [
     {"compile_split", "construction"},
     {"shard.optimizer"},  # each rank updates the parameters it owns, then broadcasts them
     {"wrapper", "shard.checkpoint",  # (the checkpoint functions read the sharded optimizer)
-     "sanitize.detector"},  # (it hooks every module's forward and DDP's register_comm_hook)
+     "sanitize.detector"},  # (it hooks every module's forward, for parameter names)
     {"testing", "__init__", "sharded_checkpoint", "sanitize", "sanitize.__main__"},
 ]
 # Below the wrapper nothing knows nn.Module or module hooks (the reducer is driven by mark_ready).
