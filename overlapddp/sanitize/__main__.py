@@ -25,12 +25,12 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m overlapddp.sanitize",
         description="Run SCRIPT as __main__ and report every read, write or free of an asynchronous "
                     "collective's tensors before this rank observed its completion.")
-    parser.add_argument("--report-dir", help="write each rank's findings to DIR/rank{R}.json")
+    parser.add_argument("--report-dir", metavar="DIR", help="write each rank's findings to DIR/rank{R}.json")
     parser.add_argument("--force", action="store_true",
                         help="delay each collective's result until it is observed, NaN meanwhile, so a read "
                              "the detector cannot see shows in the numbers")
-    parser.add_argument("script", help="the training script, run unchanged")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    parser.add_argument("script", metavar="SCRIPT", help="the training script, run unchanged")
+    parser.add_argument("args", metavar="ARGS", nargs=argparse.REMAINDER, help="its arguments")
     return parser
 
 
