@@ -424,7 +424,7 @@ class Raise:
     fix: str  # a part of the message that says what to do
 
 
-OVERLAP_CONTRACT = "parameters read between backward and step() already hold their new values"
+OVERLAP_CONTRACT = "parameters read between backward and step() already hold their updated values"
 
 # Every cell that raises, in one table (docs/loop_contract.md is generated from it).
 RAISES: dict[tuple[str, str], Raise] = {
