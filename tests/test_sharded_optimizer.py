@@ -284,7 +284,7 @@ def train_case(rank: int, case: Case) -> list[tuple[bool, bool, bool]]:
     return results
 
 
-def _without_the_wait(rank: int, world_size: int) -> list[bool]:
+def _without_the_wait(rank: int) -> list[bool]:
     """The delayed-gather case with step()'s wait removed: some step must differ from DDP."""
     case = CASES["delayed_gathers_sgd"]
     reference = _Side(case, DistributedDataParallel, sharded=False)
@@ -300,6 +300,30 @@ def _without_the_wait(rank: int, world_size: int) -> list[bool]:
         equal.append(equal_as_read(reference.model, ours.model))
         time.sleep(3 * DELAY_S)  # the late broadcasts land before the next step launches its own
     return equal
+
+
+def _mismatched_optimizers(rank: int) -> str:
+    """Rank 1 leaves the head's bias out of its optimizer: the first step() must say so on every rank."""
+    model = OverlapDDP(models.build("mlp"))
+    params = [p for name, p in model.module.named_parameters() if rank != 1 or name != "4.bias"]
+    opt = torch.optim.SGD(params, lr=0.1)
+    model.attach_optimizer(opt, shard=True)
+    inputs, target = models.batch("mlp", rank, 0)
+    models.loss_of(model(inputs), target).backward()
+    try:
+        opt.step()
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def _faults(rank: int, world_size: int) -> dict[str, Any]:
+    return {"without the wait": _without_the_wait(rank), "mismatched": _mismatched_optimizers(rank)}
+
+
+@functools.cache
+def faults() -> list[dict[str, Any]]:
+    return run_ranks(2, _faults)
 
 
 # -- checkpoints: consolidated and through DCP, across world sizes ------------------------------
@@ -403,5 +427,12 @@ def test_checkpoints_resume_bit_exact_across_world_sizes_2_and_3():
 
 def test_the_comparison_catches_a_step_that_returns_before_the_delayed_broadcasts_arrived():
     # Rank 0 reads the parameters rank 1 sends late; rank 1's own late sends give its receipts time to land.
-    equal = run_ranks(2, _without_the_wait)
+    equal = [ranks["without the wait"] for ranks in faults()]
     assert not all(equal[0]), f"rank 0: parameters equal to DDP's after every step {equal}"
+
+
+def test_optimizers_that_differ_between_ranks_are_refused_at_the_first_step_on_every_rank():
+    for rank, ranks in enumerate(faults()):
+        message = ranks["mismatched"]
+        assert message.startswith(f"The sharded SGD differs between ranks [{1 - rank}] and rank {rank}: "), message
+        assert "Build the optimizer with the same parameters and groups, in the same order, on every rank" in message

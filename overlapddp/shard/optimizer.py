@@ -169,7 +169,7 @@ class ShardedOptimizer:
         same parameters, or the broadcasts would pair wrongly (one gather of the plans, once)."""
         mine = [(name, tuple(p.shape), owner) for name, (_, p), owner in zip(self.param_names, self._held, self._owners,
                                                                               strict=True)]
-        plans: list[Any] = [None] * self.world_size
+        plans: list[Any] = [None] * self.process_group.size()
         dist.all_gather_object(plans, mine, group=self.process_group)
         differ = [rank for rank, plan in enumerate(plans) if plan != mine]
         if differ:
