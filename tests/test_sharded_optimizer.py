@@ -117,6 +117,8 @@ CASES = {
     "require_backward_grad_sync_accumulation": _case("transformer", _one(torch.optim.AdamW, lr=1e-3),
                                                      "require_sync"),
     "frozen_parameter": _case("cnn_frozen", _one(torch.optim.SGD, lr=0.05, momentum=0.9)),
+    "channels_last_parameters": _case("cnn_channels_last", _one(torch.optim.SGD, lr=0.05, momentum=0.9)),
+    "tied_weights": _case("tied_lm", _one(torch.optim.AdamW, lr=1e-3)),
     "find_unused_adam": _case("branchy", _one(torch.optim.Adam, lr=1e-2), find_unused_parameters=True),
     "zero_element_parameters": _case("empty_parameters", _one(torch.optim.Adam, lr=1e-2)),
     "ignored_parameter": _case("transformer", _one(torch.optim.SGD, lr=0.1), "ignored"),
