@@ -381,7 +381,6 @@ LINES: dict[str, Line] = {
 class Mode:
     """How OverlapDDP is set up; its reference is stock DDP with the same loop unless said otherwise."""
 
-    doc: str
     attach: dict[str, bool] | None = None  # attach_optimizer's switches; None: no optimizer attached
     muon: bool = False  # Muon on the hidden 2-D weights and AdamW on the rest, instead of the line's optimizer
     tokens: bool = False  # count_tokens; the reference divides by the global count in a hook
@@ -392,26 +391,20 @@ class Mode:
     lines: tuple[str, ...] = tuple(LINES)
 
 
+# The modes (docs/loop_contract.md describes each with its reference).
 MODES: dict[str, Mode] = {
-    "default": Mode("OverlapDDP(net)"),
-    "guard": Mode("model.attach_optimizer(opt)", attach={}),
-    "overlap": Mode("model.attach_optimizer(opt, overlap=True)", attach={"overlap": True}),
-    "shard": Mode("model.attach_optimizer(opt, shard=True)", attach={"shard": True}),
-    "shard_muon": Mode("Muon (hidden 2-D weights) and AdamW (the rest), each attach_optimizer(..., shard=True)",
-                       attach={"shard": True}, muon=True),
-    "count_tokens": Mode("model.count_tokens(n) before each forward, summed losses (reference: DDP dividing "
-                         "each bucket by the global count in a hook)", tokens=True),
-    "tuned": Mode("OverlapDDP(net, bucket_plan='tuned') (reference: DDP's arithmetic by hand, reduced in the "
-                  "layouts it chose)", tuned=True, world_sizes=(3,)),
-    "mixed_precision": Mode("OverlapDDP(net, mixed_precision=bfloat16 parameters, float32 reduction) (reference: "
-                            "DDP's casts by hand, reduced in the layouts it used)", precision=True,
-                            # model.module alone cannot run on float32 inputs with bfloat16 buffers (nor under DDP)
-                            lines=tuple(line for line in LINES if line != "eval_forward")),
+    "default": Mode(),  # OverlapDDP(net)
+    "guard": Mode(attach={}),  # model.attach_optimizer(opt)
+    "overlap": Mode(attach={"overlap": True}),
+    "shard": Mode(attach={"shard": True}),
+    "shard_muon": Mode(attach={"shard": True}, muon=True),  # Muon and AdamW, each attached with shard=True
+    "count_tokens": Mode(tokens=True),
+    "tuned": Mode(tuned=True, world_sizes=(3,)),  # at 2 ranks gloo's sums do not depend on the layout
+    # model.module alone cannot run on float32 inputs with bfloat16 buffers (nor under DDP).
+    "mixed_precision": Mode(precision=True, lines=tuple(line for line in LINES if line != "eval_forward")),
     # Compiling takes seconds per model: one line each, at one world size.
-    "compile": Mode("torch.compile(OverlapDDP(net)), one bucket", compile_width=16, world_sizes=(2,),
-                    lines=("clip_grad_norm",)),
-    "compile_buckets": Mode("torch.compile(OverlapDDP(net, bucket_cap_mb=1)), several buckets", compile_width=400,
-                            world_sizes=(2,), lines=("accumulate_no_sync",)),
+    "compile": Mode(compile_width=16, world_sizes=(2,), lines=("clip_grad_norm",)),  # one bucket
+    "compile_buckets": Mode(compile_width=400, world_sizes=(2,), lines=("accumulate_no_sync",)),  # cap 1 MiB: two
 }
 
 
@@ -448,6 +441,8 @@ CONTRACT: dict[tuple[str, str], str] = {("read_params", "overlap"): OVERLAP_CONT
 
 @dataclass(frozen=True)
 class Cell:
+    """One loop line in one mode at one world size (its name is its test's id)."""
+
     line: str
     mode: str
     world_size: int
