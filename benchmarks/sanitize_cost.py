@@ -14,16 +14,22 @@ bit-equal (checked with ``torch.equal``): the detector never changes a clean pro
 
 What makes it cost: every aten op runs through the detector's dispatch mode (a Python call, and the
 overlap test of its tensors against the collectives in flight), so the cost scales with ops per
-step; the report counts them (one extra step with a counting mode) and gives the cost per op.
+step; the report counts them (one extra step with a counting mode) and gives the cost per op. It
+also times one small op alone, bare and under the detector, with nothing and with a collective in
+flight (then each tensor's byte span is computed and looked up), to show the per-op price itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -74,9 +80,47 @@ def _ops_per_step(ctx: compare.RankContext, wrapper: type) -> int:
     return 0
 
 
+OP_MODES = ("bare", "idle", "in flight")
+OPS = 2000
+
+
+def _ops_seconds(tensor: torch.Tensor) -> float:
+    start = time.perf_counter()
+    for _ in range(OPS):
+        tensor.add_(1.0)
+    return time.perf_counter() - start
+
+
+def _op_block(mode: str, tensor: torch.Tensor, held: torch.Tensor) -> float:
+    """One block of ``OPS`` small in-place adds: bare, under the detector with nothing in flight, or
+    with an all-reduce in flight on other memory (every op's tensors are then compared with it)."""
+    if mode == "bare":
+        return _ops_seconds(tensor)
+    with detect(echo=False):
+        work = dist.all_reduce(held, async_op=True) if mode == "in flight" else None
+        seconds = _ops_seconds(tensor)
+        if work is not None:
+            work.wait()
+    return seconds
+
+
+def per_op_cost(ctx: compare.RankContext) -> dict[str, object]:
+    """Microseconds per op in each of ``OP_MODES``, interleaved, median over repeats [min, max]."""
+    tensor, held = torch.zeros(64), torch.zeros(1024)
+    times: dict[str, list[float]] = {mode: [] for mode in OP_MODES}
+    for repeat in range(ctx.args.repeats + 1):
+        for mode in OP_MODES[repeat % 3:] + OP_MODES[:repeat % 3]:
+            seconds = _op_block(mode, tensor, held)
+            if repeat:  # the first round warms up
+                times[mode].append(seconds * 1e6 / OPS)
+    extra = {mode: [t - b for t, b in zip(times[mode], times["bare"], strict=True)] for mode in OP_MODES[1:]}
+    return {"bare_us": statistics.median(times["bare"]),
+            **{f"extra_us_{mode}": [statistics.median(e), min(e), max(e)] for mode, e in extra.items()}}
+
+
 def benchmark(ctx: compare.RankContext) -> dict[str, object]:
     args = ctx.args
-    results: dict[str, object] = {}
+    results: dict[str, object] = {"per_op": per_op_cost(ctx)}
     for name in args.wrappers.split(","):
         variants = {mode: compare.make_variant(ctx, mode, WRAPPERS[name]) for mode in MODES}
         for mode, variant in variants.items():
@@ -108,6 +152,7 @@ def _block_warmup(ctx: compare.RankContext, variant: compare.Variant, mode: str)
 
 
 def report(args: argparse.Namespace, results: dict[str, object]) -> None:
+    per_op = results.pop("per_op")
     rows = [("wrapper", "mode", "median step ms", "ratio to bare [min, max]", "extra us per op")]
     for name, result in results.items():
         medians, ratios, ops = result["median_step_ms"], result["ratio"], result["ops_per_step"]  # type: ignore[index]
@@ -121,8 +166,12 @@ def report(args: argparse.Namespace, results: dict[str, object]) -> None:
     for name, result in results.items():
         print(f"{name}: {result['ops_per_step']} aten ops per step; parameters bit-equal in all three modes: "  # type: ignore[index]
               f"{result['bit_equal']}", flush=True)  # type: ignore[index]
+    idle, busy = per_op["extra_us_idle"], per_op["extra_us_in flight"]  # type: ignore[index]
+    print(f"one in-place add of 64 floats: {per_op['bare_us']:.2f} us bare; the detector adds "  # type: ignore[index]
+          f"{idle[0]:.2f} us [{idle[1]:.2f}, {idle[2]:.2f}] with nothing in flight, "
+          f"{busy[0]:.2f} us [{busy[1]:.2f}, {busy[2]:.2f}] with a collective in flight", flush=True)
     if args.json:
-        compare.write_json(args, results)
+        compare.write_json(args, {**results, "per_op": per_op})
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

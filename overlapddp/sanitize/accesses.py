@@ -18,36 +18,46 @@ from overlapddp.sanitize.collectives import tensors_in
 from overlapddp.sanitize.completion import Collectives
 
 
-def short_op(func: Any) -> str:
-    """``aten.add_`` for ``aten.add_.Tensor``: the op as a user recognises it."""
-    name = str(func)
-    return name.rsplit(".", 1)[0] if name.count(".") >= 2 else name
+def _accessed_arguments(func: Any) -> tuple[tuple[int, str, bool], ...]:
+    """(position, name, written) of each argument ``func`` reads or writes; views and the
+    collectives' own ops (``c10d``: a launch is the launcher's to check) have none."""
+    if func.namespace == "c10d":
+        return ()
+    found = []
+    for i, argument in enumerate(func._schema.arguments):
+        info = argument.alias_info
+        written = info is not None and info.is_write
+        if info is None or written:  # an alias that is not written is a view: no access yet
+            found.append((i, argument.name, written))
+    return tuple(found)
 
 
 class Accesses(TorchDispatchMode):
-    """Reports each op's reads and writes of in-flight memory to ``collectives``."""
+    """Reports each op's reads and writes of in-flight memory to ``collectives``.
 
-    def __init__(self, collectives: Collectives) -> None:
+    Each op's accessed arguments are read from its schema once (``_arguments``, by op); the stream
+    model's after-op hook is called only where it does something (CUDA: host syncs).
+    """
+
+    def __init__(self, collectives: Collectives, watch_host_syncs: bool) -> None:
         super().__init__()
         self.collectives = collectives
+        self._arguments: dict[Any, tuple[tuple[int, str, bool], ...]] = {}
+        self._after_op = collectives.model.after_op if watch_host_syncs else None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         collectives = self.collectives
-        if collectives and func.namespace != "c10d":  # a launch is the launcher's to check (completion.py)
-            for i, argument in enumerate(func._schema.arguments):
-                value = args[i] if i < len(args) else kwargs.get(argument.name)
-                tensors = tensors_in(value)
-                if not tensors:
-                    continue
-                info = argument.alias_info
-                write = info is not None and info.is_write
-                if info is not None and not write:
-                    continue  # a view of it: no access yet
-                for tensor in tensors:
-                    collectives.access(tensor, write, short_op(func))
+        if collectives:
+            accessed = self._arguments.get(func)
+            if accessed is None:
+                accessed = self._arguments[func] = _accessed_arguments(func)
+            for i, name, written in accessed:
+                value = args[i] if i < len(args) else kwargs.get(name)
+                for tensor in tensors_in(value):
+                    collectives.access(tensor, written, func)
         out = func(*args, **kwargs)
-        collectives.model.after_op(func, args, out)
+        if self._after_op is not None:
+            self._after_op(func, args, out)
         return out
-

@@ -169,8 +169,10 @@ class Collectives:
 
     # -- accesses ------------------------------------------------------------------------------------
 
-    def access(self, tensor: torch.Tensor, write: bool, op: str) -> None:
-        """``op`` reads (or writes) ``tensor`` on the current stream (the host, for host memory)."""
+    def access(self, tensor: torch.Tensor, write: bool, op: Any) -> None:
+        """``op`` (an aten op) reads (or writes) ``tensor`` on the current stream (the host, for host memory)."""
+        if not self._index.may_hold(tensor):
+            return
         span = span_of(tensor)
         if span is None:
             return
@@ -186,7 +188,7 @@ class Collectives:
                     continue
                 if write or role == OUTPUT:
                     site = user_site(3) or self.last_site
-                    self._find(WRITE if write else READ, entry, self._name(entry, tensor), site, op)
+                    self._find(WRITE if write else READ, entry, self._name(entry, tensor), site, _short(op))
 
     def end(self, site: str) -> None:
         """The detector stops: every collective nobody observed never completed."""
@@ -217,3 +219,8 @@ class Collectives:
         finding = Finding(kind, tensor, entry.collective(), entry.launched_at, accessed_at, access, self._rank())
         self._report(finding)
 
+
+def _short(op: Any) -> str:
+    """``aten.add_`` for ``aten.add_.Tensor``: the op as a user recognises it."""
+    name = str(op)
+    return name.rsplit(".", 1)[0] if name.count(".") >= 2 else name

@@ -234,7 +234,7 @@ def detect(force: bool = False, report_dir: str | os.PathLike[str] | None = None
     _ACTIVE.append(True)
     hook = register_module_forward_pre_hook(lambda module, _: names.saw(module))
     try:
-        with _patched(patches), Accesses(collectives):
+        with _patched(patches), Accesses(collectives, watch_host_syncs=isinstance(model, CudaStreams)):
             try:
                 yield findings
             finally:

@@ -17,7 +17,7 @@ import torch
 class Span:
     """The bytes ``[start, end)`` of the storage ``storage`` (its device and base address)."""
 
-    storage: tuple[str, int]
+    storage: tuple[torch.device, int]
     start: int
     end: int
 
@@ -39,7 +39,7 @@ def span_of(tensor: torch.Tensor) -> Span | None:
     size = tensor.element_size()
     extent = 1 + sum((int(n) - 1) * abs(int(s)) for n, s in zip(tensor.shape, tensor.stride(), strict=True))
     start = int(tensor.storage_offset()) * size
-    return Span((str(tensor.device), base), start, start + extent * size)
+    return Span((tensor.device, base), start, start + extent * size)
 
 
 def describe(tensor: torch.Tensor) -> str:
@@ -52,10 +52,17 @@ class SpanIndex:
     every op's tensors looks at one storage's few spans."""
 
     def __init__(self) -> None:
-        self._by_storage: dict[tuple[str, int], list[tuple[Span, Any, str]]] = {}
+        self._by_storage: dict[tuple[torch.device, int], list[tuple[Span, Any, str]]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._by_storage)
+
+    def may_hold(self, tensor: torch.Tensor) -> bool:
+        """Whether any watched span lies in ``tensor``'s storage (the cheap first test of every access)."""
+        try:
+            return (tensor.device, tensor.untyped_storage().data_ptr()) in self._by_storage
+        except (RuntimeError, NotImplementedError):  # a wrapper subclass without a storage
+            return False
 
     def add(self, span: Span, owner: Any, role: str) -> None:
         self._by_storage.setdefault(span.storage, []).append((span, owner, role))
