@@ -318,3 +318,7 @@ def test_the_docs_show_the_one_line_usage() -> None:
     root = Path(__file__).resolve().parent.parent
     for page in (root / "README.md", root / "docs" / "frameworks.md"):
         assert usage in page.read_text(), f"{page} no longer shows {usage}"
+    frameworks = (root / "docs" / "frameworks.md").read_text()
+    section = frameworks.split("## torchft")[1].split("\n## ")[0]
+    assert "What a torchft user changes: one import." in section
+    assert "use_async_quorum=False" not in section, "the swap needs no change to the Manager's arguments"
