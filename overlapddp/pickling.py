@@ -34,7 +34,10 @@ from overlapddp.sync_checks import SyncFlagCheck
 _MACHINERY = (PACKAGE, STDLIB, TORCH)
 
 # Live objects: bound to this process's group and autograd graph, rebuilt by the copy.
-_NOT_PICKLED = ("process_group", "_reducer", "_hook_handles", "_graph_splitter", "_mixed_precision")
+# Live parts, built again by the copy (a copy has no optimizer attached, as a DDP copy has no reducer hooks).
+_NOT_PICKLED = (
+    "process_group", "_reducer", "_hook_handles", "_graph_splitter", "_mixed_precision", "_sharded_optimizers",
+)
 
 
 @dataclass(frozen=True)
@@ -86,12 +89,6 @@ def pickled_state(attributes: dict[str, Any]) -> dict[str, Any]:
             "model.state_dict() instead."
         )
     reducer: Reducer = attributes["_reducer"]
-    if reducer.sharded:
-        raise RuntimeError(
-            "An OverlapDDP with a sharded optimizer (attach_optimizer(shard=True)) cannot be copied or pickled: "
-            "each rank holds only its shard of the last update until the next forward. Save model.state_dict() "
-            "(it gathers the parameters) and the optimizer's consolidated state_dict() instead."
-        )
     state = {k: v for k, v in attributes.items() if k not in _NOT_PICKLED}
     # Mixed precision's reduction is the wrapper's own, rebuilt with it: only a user's hook is dropped.
     registered = reducer.reduction.comm_hook

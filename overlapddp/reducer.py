@@ -21,8 +21,7 @@ from typing import Callable, Sequence, cast
 import torch
 import torch.distributed as dist
 
-from overlapddp.bucket.comm_hook import Bucket
-from overlapddp.bucket.consumer import BucketConsumer, GradientCopy, ReducedBucket
+from overlapddp.bucket.consumer import BucketConsumer, GradientCopy
 from overlapddp.bucket.gradient_checks import GradientWriteWatch
 from overlapddp.bucket.pipeline import BucketPipeline, SharedStages
 from overlapddp.bucket.reduction import BucketReduction
@@ -135,9 +134,6 @@ class Reducer:
         self.consumers: list[BucketConsumer] = [GradientCopy(self.reduction, options.gradient_as_bucket_view)]
         # delay_all_reduce_named_params: launched by launch_delayed, completed in finalize.
         self.delayed = delayed
-        # A sharded optimizer (shard/optimizer.py) pads every bucket's buffer to a multiple of this
-        # (the world size; see set_sharded).
-        self._pad_to = 1
         self.layouts = LayoutLifecycle(self.params, self._sparse_gradient, caps, options)
         self._configure(options)
         self._install_plan(self.layouts.initial_plan())
@@ -181,36 +177,6 @@ class Reducer:
                 f"{what} between iterations; the reducer is {self.state.value} on rank {self.rank}."
             )
 
-    def set_reduction_callbacks(self, after_bucket: None, after_all: Callable[[], None]) -> None:
-        """The reduce-scatter sharded optimizer's end of backward (see set_sharded)."""
-        cast(_ShardSink, self.consumers[0]).after_all = after_all
-
-    @property
-    def sharded(self) -> bool:
-        """Whether a sharded optimizer reduce-scatters the buckets (see set_sharded)."""
-        return self.stages.padded
-
-    def set_sharded(
-        self,
-        start: Callable[[Bucket], torch.futures.Future],
-        sink: Callable[[int, list[bool]], None],
-        abandoned: Callable[[], None],
-    ) -> None:
-        """A sharded optimizer: reduce-scatter each padded bucket with ``start``; once complete, hand the
-        bucket's index and which of its parameters are written (globally used) to ``sink``; when an
-        iteration is dropped, call ``abandoned`` (what ``sink`` kept for the rest of it must go)."""
-        if self.sharded:
-            raise RuntimeError(f"A sharded optimizer is already attached to this model (rank {self.rank}).")
-        if self.state is not ReducerState.IDLE or self.fence.in_flight():
-            raise RuntimeError(
-                f"A sharded optimizer can only be attached between iterations; the reducer is {self.state.value} "
-                f"on rank {self.rank}."
-            )
-        self.reduction.set_shard_start(start)
-        self._pad_to, self.stages.padded = self.process_group.size(), True
-        self.consumers[0] = _ShardSink(sink, abandoned)  # the reduced shard is the sink's, not param.grad's
-        self._install_plan(self.plan)  # the same buckets over padded buffers
-
     # -- layout -------------------------------------------------------------------------------
 
     def _install_plan(self, plan: BucketPlan) -> None:
@@ -227,7 +193,7 @@ class Reducer:
         if self._sparse_gradient[members[0]]:
             storage = SparseBucketStorage(index, [self.params[members[0]]], self.names[members[0]])
         else:
-            storage = BucketStorage(index, [self.params[i] for i in members], self._pad_to)
+            storage = BucketStorage(index, [self.params[i] for i in members])
         return BucketPipeline(index, members, storage, self.stages, is_last=index == len(self.plan.buckets) - 1)
 
     @property
@@ -554,24 +520,3 @@ class Reducer:
         self._iteration = _Iteration.empty(len(self.params))
         self.state = ReducerState.IDLE  # any -> IDLE: the iteration is dropped
 
-
-class _ShardSink:
-    """The reduce-scatter sharded optimizer's consumer: each bucket's reduced shard goes to its update
-    instead of into ``param.grad`` (it replaces :class:`GradientCopy`)."""
-
-    name = "sharded update"
-
-    def __init__(self, sink: Callable[[int, list[bool]], None], abandoned: Callable[[], None]) -> None:
-        self._sink = sink
-        self._abandoned = abandoned
-        self.after_all: Callable[[], None] | None = None  # the optimizer's end of backward (clipping)
-
-    def take(self, bucket: ReducedBucket) -> None:
-        self._sink(bucket.index, list(bucket.write))
-
-    def all_taken(self) -> None:
-        if self.after_all is not None:
-            self.after_all()
-
-    def abandoned(self) -> None:
-        self._abandoned()

@@ -88,9 +88,13 @@ REFUSALS: tuple[Refusal, ...] = (
     _refused(F.JOIN, F.DELAYED_ALL_REDUCE, ValueError,
              "join() cannot be used with delay_all_reduce_named_params: a joined rank cannot know where, among "
              "the buckets' collectives, the others start the delayed all-reduce (stock DDP does not shadow it)."),
+    _refused(F.JOIN, F.SHARDED_OPTIMIZER, ValueError,
+             "join() cannot be used with a sharded optimizer (attach_optimizer(..., shard=True)): in step() every rank "
+             "waits for the broadcasts of the parameters the others own, and a joined rank never sends its own."),
     _refused(F.SHARDED_OPTIMIZER, F.OVERLAPPED_OPTIMIZER, RuntimeError,
-             "An overlapped optimizer is attached to this model (rank {rank}); detach it before attaching a "
-             "sharded one."),
+             "attach_optimizer(shard=True) and attach_optimizer(overlap=True) cannot be combined on one model "
+             "(rank {rank}): an overlapped update runs during backward, a sharded one in step(); attach every "
+             "optimizer of the model the same way (detach() the overlapped one first)."),
 )
 
 

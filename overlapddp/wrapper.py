@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
+from overlapddp.attachment import AttachTo, Switches, attach
 from overlapddp.bucket.comm_hook import CommHook
 from overlapddp.bucket.comm_hook_validation import builtin_hook, check_comm_hook, check_hook_state
 from overlapddp.compile_split import GraphSplitter, in_compiled_autograd
@@ -34,7 +35,6 @@ from overlapddp.param_usage import map_tensors, tensors_in
 from overlapddp.pickling import ReducerRecipe, bind_to_default_group, pickled_state, recipe_of
 from overlapddp.reducer import Reducer
 from overlapddp.refusals import Feature, refuse_pairs
-from overlapddp.shard.checks import JOIN_REFUSAL, ShardRequest, check_shardable
 from overlapddp.shard.optimizer import ShardedOptimizer
 from overlapddp.sync_checks import SyncFlagCheck
 from overlapddp.torch_compat import let_dcp_unwrap, queue_callback, to_kwargs
@@ -107,6 +107,7 @@ class OverlapDDP(nn.Module, Joinable):
             self._hook_handles += _register_delayed_hooks(self._reducer, delayed, hook_param)
         self._graph_splitter = GraphSplitter(self._reducer, self.bucket_bytes_cap)  # see compile_split.py
         self._hook_is_builtin = False  # DDP's _comm_hooks records registered hooks, not built-in ones
+        self._sharded_optimizers: list[ShardedOptimizer] = []  # attach_optimizer(shard=True)'s, in order
         self._mixed_precision: tuple[MixedPrecision, ParameterCasts] | None = None
         if self.mixed_precision is not None:
             self._set_up_mixed_precision(MixedPrecision(self.mixed_precision))
@@ -359,7 +360,7 @@ class OverlapDDP(nn.Module, Joinable):
             Feature.COMM_HOOK: reduction.comm_hook is not None,
             Feature.COUNT_TOKENS: reduction.tokens is not None,
             Feature.OVERLAPPED_OPTIMIZER: any(isinstance(c, OverlappedOptimizer) for c in reducer.consumers),
-            Feature.SHARDED_OPTIMIZER: bool(self.__dict__.get("_sharded_optimizers")),
+            Feature.SHARDED_OPTIMIZER: bool(self._sharded_optimizers),
         }
         return {feature for feature, on in switched.items() if on}
 
@@ -379,7 +380,8 @@ class OverlapDDP(nn.Module, Joinable):
         """Guard ``optimizer``: its ``step()`` and ``zero_grad()`` only touch complete, reduced, fresh gradients.
 
         With ``overlap=True`` each bucket's update runs as soon as that bucket is reduced, while later
-        buckets are still reducing; ``step()`` then returns once all updates are done (SGD, Adam, AdamW).
+        buckets are still reducing; ``step()`` then returns once all updates are done (per-parameter
+        optimizers: SGD, Adam, AdamW, Muon, Adafactor, Adagrad, RMSprop, NAdam, RAdam, or a declared class).
         ``max_grad_norm`` clips as ``clip_grad_norm_`` would, and ``scaler`` unscales as
         ``scaler.unscale_`` would (per-bucket norms and unscaling overlap communication; the updates
         then wait for the last bucket). Keep calling ``scaler.step(optimizer)`` and ``scaler.update()``.
@@ -389,29 +391,19 @@ class OverlapDDP(nn.Module, Joinable):
         (1/N of the state, balanced by cost) and sends each to every rank, all arrived when it returns
         (Muon, SGD, Adam, AdamW and other per-parameter optimizers; see docs/sharded_optimizer.md).
 
+        Every line of a DDP loop keeps its meaning or raises at that line (docs/loop_contract.md). With
+        ``overlap=True``, an lr set between backward and ``step()``, or a skipped ``step()``, raises; one
+        read cannot be seen and is this mode's contract: parameters read between backward and ``step()``
+        already hold their updated values.
+
         Example::
 
             >>> guard = model.attach_optimizer(optimizer)
             >>> loss.backward(); optimizer.step()       # raises if a gradient is stale or in flight
         """
-        if self._reducer.sharded:
-            raise RuntimeError(
-                f"A sharded optimizer is attached to this model (rank {self._reducer.rank}): it owns the reduced "
-                "gradients, so no other optimizer can be attached."
-            )
-        if shard and any(isinstance(consumer, OverlappedOptimizer) for consumer in self._reducer.consumers):
-            raise RuntimeError(
-                f"An overlapped optimizer is attached to this model (rank {self._reducer.rank}); detach it before "
-                "attaching a sharded one."
-            )
-        if shard:
-            return self._attach_sharded(optimizer, overlap=overlap, max_grad_norm=max_grad_norm, scaler=scaler,
-                                        allow_unsynced=allow_unsynced, strict=strict)
-        if overlap:
-            return OverlappedOptimizer(self._reducer, optimizer, max_grad_norm=max_grad_norm, scaler=scaler)
-        if max_grad_norm is not None:
-            raise ValueError("max_grad_norm is for overlap=True; without overlap call clip_grad_norm_ before step().")
-        return OptimizerGuard(self._reducer, optimizer, strict=strict, allow_unsynced=allow_unsynced, scaler=scaler)
+        target = AttachTo(self._reducer, self.process_group, {id(p): n for n, p in self.module.named_parameters()},
+                          self._features(), self._sharded_optimizers)
+        return attach(target, optimizer, Switches(overlap, shard, max_grad_norm, scaler, strict, allow_unsynced))
 
     @property
     def fence(self) -> Fence:
@@ -422,23 +414,6 @@ class OverlapDDP(nn.Module, Joinable):
         """Swap in another fence between iterations, returning the one in force (race-forcing tools
         wrap the real one: ``overlapddp.testing``)."""
         return self._reducer.replace_fence(fence)
-
-    def _attach_sharded(self, optimizer: torch.optim.Optimizer, **switches: Any) -> ShardedOptimizer:
-        """Check everything that decides whether sharding works (no collective), then shard."""
-        attached: list[ShardedOptimizer] = self.__dict__.setdefault("_sharded_optimizers", [])
-        request = ShardRequest(
-            names={id(p): n for n, p in self.module.named_parameters()},
-            reduced=frozenset(id(p) for p in self._reducer.params),
-            taken={id(p): type(s.optimizer).__name__ for s in attached for p in s.parameters()},
-            switches={k: v is not None and v is not False for k, v in switches.items()},
-            rank=self._reducer.rank,
-            world_size=self.process_group.size(),
-        )
-        check_shardable(optimizer, request)
-        sharded = ShardedOptimizer(self._reducer, optimizer, request, self.process_group, switches["strict"],
-                                   switches["scaler"])
-        attached.append(sharded)
-        return sharded
 
     def record_fences(self) -> FenceLog:
         """Start recording every fence edge (a debug option); ``log.violations()`` checks their order."""
@@ -516,8 +491,6 @@ class OverlapDDP(nn.Module, Joinable):
 
     def join_hook(self, **kwargs: Any) -> OverlapJoinHook:
         """The hook ``Join`` runs on a rank that has run out of inputs."""
-        if self.__dict__.get("_sharded_optimizers"):
-            raise ValueError(JOIN_REFUSAL)
         refuse_pairs(self._features(), Feature.JOIN)
         return OverlapJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 

@@ -425,8 +425,8 @@ RAISES: dict[tuple[str, str], Raise] = {
         "opt.step()", "Gradients were changed in place after the overlapped updates had already run on rank {rank}",
         "Pass max_grad_norm to attach_optimizer(..., overlap=True) to clip"),
     ("grad_scaler", "overlap"): Raise(
-        "scaler.step(opt)", "Gradients were changed in place after the overlapped updates had already run on rank "
-        "{rank}", "attach without overlap"),
+        "scaler.step(opt)", "GradScaler.step(optimizer) on rank {rank}: with attach_optimizer(overlap=True) the updates "
+        "already ran during backward", "Pass it as attach_optimizer(optimizer, overlap=True, scaler=scaler)"),
     ("lr_after_backward", "overlap"): Raise(
         "opt.step()", "optimizer.step() on rank {rank}: param_groups[0]['lr'] is",
         "set hyperparameters (an lr, an LR scheduler's step()) before backward"),

@@ -134,18 +134,6 @@ def test_token_weighting_keeps_one_count(one_rank):
     assert reduction.enable_token_weighting(device) is counted
 
 
-def test_hooks_and_the_sharded_start_exclude_each_other(one_rank):
-    reduction = BucketReduction(dist.group.WORLD, batched_grad_copy=False)
-    reduction.set_comm_hook("state", default_hooks.allreduce_hook)
-    assert reduction.comm_hook == ("state", default_hooks.allreduce_hook)
-    with pytest.raises(RuntimeError, match="sharded optimizer cannot be combined with a communication hook"):
-        reduction.set_shard_start(lambda bucket: torch.futures.Future())
-    sharded = BucketReduction(dist.group.WORLD, batched_grad_copy=False)
-    sharded.set_shard_start(lambda bucket: torch.futures.Future())
-    with pytest.raises(RuntimeError, match="once a sharded optimizer is attached"):
-        sharded.set_comm_hook(None, default_hooks.allreduce_hook)
-    assert sharded.comm_hook is None
-
 
 def test_hook_names_and_which_hooks_issue_from_callbacks(one_rank):
     reduction = BucketReduction(dist.group.WORLD, batched_grad_copy=False)
@@ -172,15 +160,10 @@ def _bucket(index: int) -> Bucket:
     return Bucket(index, torch.arange(2.0) + index, [0], [2], params, is_last=False)
 
 
-def test_each_bucket_starts_its_all_reduce_or_the_sharded_start(one_rank):
+def test_each_bucket_starts_its_all_reduce(one_rank):
     reduction = BucketReduction(dist.group.WORLD, batched_grad_copy=False)
-    bucket = _bucket(1)
-    reduced = reduction.start(bucket).wait()
+    reduced = reduction.start(_bucket(1)).wait()
     assert torch.equal(reduced[0], torch.tensor([1.0, 2.0]))  # one rank's SUM is its own buffer
-    started: list[Bucket] = []
-    future: torch.futures.Future = torch.futures.Future()
-    reduction.set_shard_start(lambda b: started.append(b) or future)
-    assert reduction.start(bucket) is future and started == [bucket]
 
 
 def test_chained_hooks_start_after_the_previous_buckets_future(one_rank, monkeypatch):

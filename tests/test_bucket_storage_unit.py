@@ -38,33 +38,14 @@ def test_a_bucket_refuses_parameters_of_two_dtypes_naming_both() -> None:
         BucketStorage(4, elsewhere)
 
 
-def test_parameters_lie_back_to_back_and_the_padding_tail_is_zero() -> None:
+def test_parameters_lie_back_to_back_in_one_flat_buffer() -> None:
     params = _params((2, 3), (1,), (4,))
-    storage = BucketStorage(1, params, pad_to=4)
+    storage = BucketStorage(1, params)
     assert storage.index == 1 and storage.params == params
     assert storage.lengths == [6, 1, 4] and storage.offsets == [0, 6, 7]
-    assert storage.buffer.numel() == 11 and storage.padded.numel() == 12
-    assert storage.buffer.data_ptr() == storage.padded.data_ptr()
-    assert torch.equal(storage.padded[11:], torch.zeros(1))
+    assert storage.buffer.numel() == 11 and storage.buffer.dtype == params[0].dtype
     for view, offset, p in zip(storage.views, storage.offsets, params, strict=True):
         assert view.shape == p.shape and view.data_ptr() == storage.buffer[offset:].data_ptr()
-
-
-def test_every_element_of_the_padding_is_zeroed_whatever_the_memory_held(monkeypatch: pytest.MonkeyPatch) -> None:
-    def garbage(size: int, **kwargs: object) -> torch.Tensor:
-        return torch.full((size,), float("nan"), **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(torch, "empty", garbage)
-    storage = BucketStorage(0, _params((5,)), pad_to=4)
-    monkeypatch.undo()
-    assert storage.padded.numel() == 8 and torch.equal(storage.padded[5:], torch.zeros(3))
-
-
-def test_without_padding_the_buffer_is_the_padded_tensor_itself() -> None:
-    storage = BucketStorage(0, _params((2,), (2,)), pad_to=2)
-    assert storage.buffer is storage.padded and storage.buffer.numel() == 4
-    unsharded = BucketStorage(0, _params((3,)))
-    assert unsharded.buffer is unsharded.padded and unsharded.padded.numel() == 3, "no padding unless asked"
 
 
 def test_a_view_keeps_a_dense_permuted_parameters_strides_and_reshapes_any_other() -> None:

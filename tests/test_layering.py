@@ -39,6 +39,7 @@ LAYERS = [
     # constructor's steps (validate, resolve, synchronize: it reads the nn.Module).
     {"compile_split", "construction"},
     {"shard.optimizer"},  # each rank updates the parameters it owns, then broadcasts them
+    {"attachment"},  # which optimizer takes over at attach_optimizer, after the refusal table
     {"wrapper", "shard.checkpoint",  # (the checkpoint functions read the sharded optimizer)
      "sanitize.detector"},  # (it hooks every module's forward, for parameter names)
     {"testing", "__init__", "sharded_checkpoint", "sanitize", "sanitize.__main__"},

@@ -223,3 +223,23 @@ def test_a_step_the_scaler_skips_owes_nothing(one_rank: None) -> None:
     scaler.update()
     opt.zero_grad()
     assert scaler.get_scale() == 2.0**3
+
+
+def test_a_grad_scaler_not_given_to_attach_raises_at_its_step(one_rank: None) -> None:
+    model = _wrapped()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.attach_optimizer(opt, overlap=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    inputs, target = models.batch("mlp", 0, 0)
+    scaler.scale(models.loss_of(model(inputs), target)).backward()
+    with pytest.raises(RuntimeError, match=(
+        r"GradScaler.step\(optimizer\) on rank 0: with attach_optimizer\(overlap=True\) the updates already ran during "
+        r"backward, on the scaled gradients .* Pass it as attach_optimizer\(optimizer, overlap=True, scaler=scaler\)"
+    )):
+        scaler.step(opt)
+    disabled = torch.amp.GradScaler("cpu", enabled=False)  # it unscales nothing: its step is the optimizer's
+    other = _wrapped()
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    other.attach_optimizer(other_opt, overlap=True)
+    disabled.scale(models.loss_of(other(inputs), target)).backward()
+    disabled.step(other_opt)

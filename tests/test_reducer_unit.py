@@ -176,18 +176,6 @@ def test_a_bucket_partly_filled_when_its_iteration_is_dropped_starts_the_next_on
     assert [float(p.grad[0]) for p in reducer.params] == [1.0, 2.0, 3.0]
 
 
-def test_an_abandoned_iteration_tells_the_sharded_optimizer_once(one_rank: None) -> None:
-    reducer = _reducer()
-    dropped: list[str] = []
-    reducer.set_sharded(lambda bucket: torch.futures.Future(), lambda bucket, written: None,
-                        lambda: dropped.append("abandoned"))
-    reducer.prepare_for_backward()
-    _grad(reducer, 0, 1.0)
-    reducer.mark_ready(0)  # its bucket (2) waits for the two before it: nothing launched yet
-    with pytest.raises(RuntimeError, match="finished reduction in the prior iteration"):
-        reducer.prepare_for_forward()
-    assert dropped == ["abandoned"]
-
 
 def test_an_abandoned_iteration_renews_exactly_the_buckets_in_flight(one_rank: None) -> None:
     """A collective may still write the launched buckets' buffers: they get new storage; the bucket
@@ -202,27 +190,6 @@ def test_an_abandoned_iteration_renews_exactly_the_buckets_in_flight(one_rank: N
         reducer.prepare_for_forward()
     assert [now is then for now, then in zip(reducer.pipelines, before, strict=True)] == [False, False, True]
 
-
-def test_set_sharded_is_refused_twice_and_during_an_iteration(one_rank: None) -> None:
-    reducer = _reducer()
-    assert not reducer.sharded
-    reducer.prepare_for_backward()
-    _grad(reducer, 2, 1.0)
-    reducer.mark_ready(2)
-    start = (lambda bucket: torch.futures.Future(), lambda bucket, written: None, lambda: None)
-    with pytest.raises(RuntimeError, match="between iterations; the reducer is reducing on rank 0"):
-        reducer.set_sharded(*start)
-    armed = _reducer()
-    armed.prepare_for_backward()  # nothing in flight yet, but the iteration has begun
-    with pytest.raises(RuntimeError, match="between iterations; the reducer is armed on rank 0"):
-        armed.set_sharded(*start)
-    fresh = _reducer()
-    assert [p.storage.padded.numel() for p in fresh.pipelines] == [4, 3, 2], "unsharded: no padding"
-    fresh.set_sharded(*start)
-    assert fresh.sharded
-    assert [p.storage.padded.numel() for p in fresh.pipelines] == [4, 3, 2], "padded to the world size (1)"
-    with pytest.raises(RuntimeError, match="already attached"):
-        fresh.set_sharded(*start)
 
 
 def test_the_fence_is_replaced_only_between_iterations(one_rank: None) -> None:

@@ -30,7 +30,6 @@ from overlapddp.fence import Fence, FenceLog
 from overlapddp.layout.tuner import TUNING_ITERATIONS
 from overlapddp.optim.guard import OptimizerGuard
 from overlapddp.optim.overlap import OverlappedOptimizer
-from overlapddp.shard.checks import JOIN_REFUSAL
 from overlapddp.shard.optimizer import ShardedOptimizer
 
 BF16 = _MixedPrecision(param_dtype=torch.bfloat16)
@@ -430,22 +429,28 @@ def test_a_sharded_optimizer_refuses_join_and_a_second_sharding_of_its_parameter
     with pytest.raises(ValueError, match=r"SGD holds parameters \(0\.bias, 0\.weight, 1\.bias, 1\.weight\) that a "
                                          "sharded SGD attached before already updates"):
         model.attach_optimizer(_sgd(model), shard=True)
-    with pytest.raises(ValueError) as refused:
+    with pytest.raises(ValueError, match=r"^join\(\) cannot be used with a sharded optimizer \(attach_optimizer\(\.\.\., "
+                                         r"shard=True\)\): in step\(\) every rank waits for the broadcasts"):
         model.join_hook()
-    assert str(refused.value) == JOIN_REFUSAL
 
 
-def test_an_overlapped_optimizer_must_be_detached_before_sharding(one_rank: None) -> None:
+def test_an_overlapped_optimizer_must_be_detached_before_sharding_and_the_reverse(one_rank: None) -> None:
     model = OverlapDDP(_mlp())
     overlapped = model.attach_optimizer(_sgd(model), overlap=True)
     assert type(model.attach_optimizer(_sgd(model))) is OptimizerGuard  # a guard beside it is not refused
+    refusal = (
+        "attach_optimizer(shard=True) and attach_optimizer(overlap=True) cannot be combined on one model (rank 0): "
+        "an overlapped update runs during backward, a sharded one in step(); attach every optimizer of the model "
+        "the same way (detach() the overlapped one first)."
+    )
     with pytest.raises(RuntimeError) as refused:
         model.attach_optimizer(_sgd(model), shard=True)
-    assert str(refused.value) == (
-        "An overlapped optimizer is attached to this model (rank 0); detach it before attaching a sharded one."
-    )
+    assert str(refused.value) == refusal
     overlapped.detach()
     assert type(model.attach_optimizer(_sgd(model), shard=True)) is ShardedOptimizer
+    with pytest.raises(RuntimeError) as refused:
+        model.attach_optimizer(_sgd(model), overlap=True)
+    assert str(refused.value) == refusal
 
 
 def _delayed(**kwargs: Any) -> OverlapDDP:

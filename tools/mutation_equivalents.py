@@ -695,15 +695,11 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "if param.device != first.device or param.dtype is not first.dtype:",
         "torch dtypes are singletons (torch.float32 is the one float32 object): identity and equality agree",
     ),
-    *(
-        Equivalent("overlapddp/bucket/storage.py", change,
-                   "the flat buffer is one-dimensional: dimension -1 is dimension 0")
-        for change in (
-            "self.buffer = self.padded.narrow(0, 0, total) if padding else self.padded => "
-            "self.buffer = self.padded.narrow( -1, 0, total) if padding else self.padded",
-            "return flat.narrow(0, offset, like.numel()).view(like.shape) => "
-            "return flat.narrow( -1, offset, like.numel()).view(like.shape)",
-        )
+    Equivalent(
+        "overlapddp/bucket/storage.py",
+        "return flat.narrow(0, offset, like.numel()).view(like.shape) => "
+        "return flat.narrow( -1, offset, like.numel()).view(like.shape)",
+        "the flat buffer is one-dimensional: dimension -1 is dimension 0",
     ),
     Equivalent(
         "overlapddp/bucket/storage.py",

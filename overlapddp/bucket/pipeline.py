@@ -16,7 +16,7 @@ being the copy into ``param.grad``: consumer.py; edge 4). What every bucket of o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, cast
+from typing import Sequence
 
 import torch
 
@@ -41,8 +41,6 @@ class SharedStages:
     names: list[str]  # parameter names, by reducer index
     gradient_as_bucket_view: bool
     check_nonfinite: bool = False  # before each launch (a debug option): see gradient_checks.nonfinite_error
-    # A sharded optimizer reduce-scatters the padded buffers (see Reducer.set_sharded).
-    padded: bool = False
 
 
 class BucketPipeline:
@@ -107,8 +105,7 @@ class BucketPipeline:
             )
             if error is not None:
                 raise error
-        # (no sparse bucket is sharded)
-        bucket = self.hook_bucket(cast(BucketStorage, self.storage).padded if shared.padded else self.storage.buffer)
+        bucket = self.hook_bucket(self.storage.buffer)
         with torch.autograd.profiler.record_function(f"overlapddp.bucket_{self.index}.launch"):
             shared.fence.launch(self.index, lambda: shared.reduction.start(bucket))
 

@@ -4,13 +4,12 @@ DDP's default path multiplies each gradient by ``1 / world_size`` while copying 
 then sums; a batched copy divides the bucket after the copy instead; a communication hook gets the
 unscaled bucket and divides itself. The divisor is the world size, under ``Join`` the ranks still
 training (when asked to), or with token weighting the global token count, known only once its
-all-reduce (launched at the start of backward) has completed. With a sharded optimizer the scaled
-bucket is reduce-scattered instead of all-reduced: each rank receives the sum of its own shard.
+all-reduce (launched at the start of backward) has completed.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -38,9 +37,6 @@ class BucketReduction:
         # Under Join: the all-reduce (started by the wrapper's forward) that counts the ranks still
         # training; waited on by the next arm, see set_join_count.
         self._training_ranks_work: dist.Work | None = None
-        # The sharded optimizer's reduce-scatter of a (padded) bucket, replacing the all-reduce; see
-        # set_shard_start.
-        self._shard_start: Callable[[Bucket], torch.futures.Future] | None = None
 
     def enable_token_weighting(self, device: torch.device) -> TokenCount:
         """Divide by the global token count instead of the world size (see bucket/token_weighting.py;
@@ -52,18 +48,7 @@ class BucketReduction:
     def set_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Reduce every bucket with ``hook(state, bucket)`` instead of the scaled sum (once: the wrapper
         refuses a second hook and the combinations in refusals.py)."""
-        if self._shard_start is not None:
-            raise RuntimeError(
-                "A communication hook cannot be registered once a sharded optimizer is attached: each bucket is "
-                "reduce-scattered, and a hook's all-reduced result has no place to go. Register it without shard=True."
-            )
         self.comm_hook = (state, hook)
-
-    def set_shard_start(self, start: Callable[[Bucket], torch.futures.Future]) -> None:
-        """Reduce every bucket with ``start(bucket)`` (a SUM reduce-scatter of the scaled, padded buffer)."""
-        if self.comm_hook is not None:
-            raise RuntimeError("A sharded optimizer cannot be combined with a communication hook.")
-        self._shard_start = start
 
     @property
     def hook_name(self) -> str:
@@ -122,10 +107,7 @@ class BucketReduction:
             self._hook_future.wait()
 
     def start(self, bucket: Bucket) -> torch.futures.Future:
-        """Start one bucket's collective(s): the scaled sum (all-reduced, or reduce-scattered for a sharded
-        optimizer), or the registered hook."""
-        if self._shard_start is not None:
-            return self._shard_start(bucket)
+        """Start one bucket's collective(s): the scaled sum's all-reduce, or the registered hook."""
         if self.comm_hook is None:  # an in-place SUM all-reduce of the (already scaled) buffer
             return dist.all_reduce(bucket.buffer(), group=self.process_group, async_op=True).get_future()
         state, hook = self.comm_hook

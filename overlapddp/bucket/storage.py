@@ -41,11 +41,9 @@ class BucketStorage:
 
     Produced by the reducer when a plan takes effect; written by ``copy_in`` during backward,
     read by the bucket's collective, and read by ``copy_out`` after the fence says complete.
-    ``pad_to``: the buffer is the head of ``padded``, a multiple of ``pad_to`` long whose tail
-    stays zero (a sharded optimizer's reduce-scatter needs equal shards).
     """
 
-    def __init__(self, index: int, params: Sequence[torch.Tensor], pad_to: int = 1) -> None:
+    def __init__(self, index: int, params: Sequence[torch.Tensor]) -> None:
         first = params[0]
         for param in params:
             if param.device != first.device or param.dtype != first.dtype:
@@ -61,12 +59,7 @@ class BucketStorage:
         for length in self.lengths:
             self.offsets.append(total)
             total += length
-        padding = -total % pad_to
-        self.padded = torch.empty(total + padding, dtype=first.dtype, device=first.device)
-        # Zero, and zero again after any write: the copy-in writes only through buffer or views, and a
-        # sharded optimizer's all-gather into ``padded`` brings back its shards' padding, never updated.
-        self.padded[total:].zero_()
-        self.buffer = self.padded.narrow(0, 0, total) if padding else self.padded
+        self.buffer = torch.empty(total, dtype=first.dtype, device=first.device)
         self.views = [strided_view(self.buffer, p, off) for p, off in zip(params, self.offsets, strict=True)]
 
     def aliases(self, slot: int, grad: torch.Tensor | None) -> bool:

@@ -20,6 +20,7 @@ contract, stated in ``attach_optimizer``).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -187,6 +188,7 @@ class OverlappedOptimizer:
                 "honored. Pass max_grad_norm to attach_optimizer(..., overlap=True) to clip, or attach "
                 "without overlap."
             )
+        self._check_scaler(_stepping_scaler())
         if self._reducer.reductions == self._stepped_at:
             raise RuntimeError(
                 f"optimizer.step() on rank {self._reducer.rank}: with overlap=True the update runs during a "
@@ -196,6 +198,18 @@ class OverlappedOptimizer:
         self._check_settings_unchanged()
         self._stepped_at = self._reducer.reductions
         self._used = None
+
+    def _check_scaler(self, scaler: object) -> None:
+        """A GradScaler not given to attach_optimizer unscaled gradients the updates had already used
+        (its in-place unscale leaves no version behind to catch): it cannot be honored."""
+        ours = self._unscaler.scaler if self._unscaler is not None else None
+        if scaler is not None and scaler is not ours:
+            raise RuntimeError(
+                f"GradScaler.step(optimizer) on rank {self._reducer.rank}: with attach_optimizer(overlap=True) the "
+                "updates already ran during backward, on the scaled gradients this scaler has just unscaled. Pass "
+                "it as attach_optimizer(optimizer, overlap=True, scaler=scaler): each bucket is then unscaled before "
+                "its update; keep calling scaler.step(optimizer) and scaler.update()."
+            )
 
     def _check_settings_unchanged(self) -> None:
         """A hyperparameter set after backward would be ignored: the update already used the old value."""
@@ -219,12 +233,31 @@ class OverlappedOptimizer:
                 f"{where} on rank {self._reducer.rank}: the last backward already updated the parameters "
                 "(attach_optimizer(overlap=True) updates during backward), but optimizer.step() was not called "
                 "after it, so that update cannot be skipped. Call step() after every synchronized backward, "
-                "accumulate with no_sync() instead of skipping, or attach without overlap=True to skip steps."
+                "accumulate with no_sync() instead of skipping, or attach without overlap=True to skip steps (a "
+                "GradScaler skips step() on a non-finite gradient: give it as attach_optimizer(..., scaler=scaler))."
             )
 
     def _checked_zero_grad(self, *args: Any, **kwargs: Any) -> Any:
         self._check_stepped("optimizer.zero_grad()")
         return self._zero_grad(*args, **kwargs)
+
+
+def _stepping_scaler() -> object:
+    """The enabled GradScaler whose ``step()`` is calling ``optimizer.step()`` now, if any (found by
+    its frame: the scaler passes nothing to the step that says it unscaled)."""
+    frame = inspect.currentframe()
+    for _ in range(_SCALER_FRAMES):
+        if frame is None:
+            return None
+        if frame.f_code is _SCALER_STEP:
+            return frame.f_locals.get("self")
+        frame = frame.f_back
+    return None
+
+
+# GradScaler.step -> _maybe_opt_step (only when enabled) -> optimizer.step (taken over) -> _step.
+_SCALER_STEP = torch.amp.grad_scaler.GradScaler._maybe_opt_step.__code__
+_SCALER_FRAMES = 5
 
 
 def _settings(group: dict[str, Any]) -> dict[str, Any]:

@@ -25,12 +25,6 @@ REFUSED_SWITCHES: dict[str, str] = {
     "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) before step(), as with DDP",
     "allow_unsynced": "a step on gradients that were not reduced would send the owner's local update to every rank",
 }
-# Why join() is refused once a sharded optimizer is attached (the wrapper's join_hook raises this).
-JOIN_REFUSAL = (
-    "join() cannot be used with a sharded optimizer (attach_optimizer(..., shard=True)): in step() every rank "
-    "waits for the broadcasts of the parameters the others own, and a joined rank never sends its own."
-)
-
 
 @dataclass(frozen=True)
 class ShardRequest:

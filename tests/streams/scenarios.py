@@ -83,7 +83,7 @@ def net(width: int = 8) -> nn.Module:
 def cuda(sim: Sim, model: OverlapDDP) -> OverlapDDP:
     """Put ``model`` on its CUDA branch: the CUDA fence (and, where used, clock and token count)."""
     model._reducer.replace_fence(CudaFence(CPU))
-    tuner = getattr(model._reducer._layouts, "_tuner", None)
+    tuner = getattr(model._reducer.layouts, "_tuner", None)
     if tuner is not None:
         tuner._clock = CudaClock(CPU)
     return model
