@@ -75,3 +75,10 @@ def test_the_features_in_force_are_read_from_their_owners(one_rank: None) -> Non
     overlapped = OverlapDDP(_mlp())
     overlapped.attach_optimizer(torch.optim.SGD(overlapped.parameters(), lr=0.1), overlap=True)
     assert overlapped._features() == {Feature.OVERLAPPED_OPTIMIZER}
+
+
+def test_only_a_one_feature_row_refuses_a_feature_already_in_force() -> None:
+    refuse_pairs({Feature.SHARDED_OPTIMIZER}, Feature.SHARDED_OPTIMIZER, **KNOWN)  # Muon and AdamW, each sharded
+    refuse_pairs({Feature.OVERLAPPED_OPTIMIZER, Feature.COMM_HOOK}, Feature.OVERLAPPED_OPTIMIZER, **KNOWN)
+    with pytest.raises(RuntimeError, match="can only be called once"):
+        refuse_pairs({Feature.COMM_HOOK, Feature.SHARDED_OPTIMIZER}, Feature.COMM_HOOK, **KNOWN)
