@@ -470,8 +470,8 @@ MUTATIONS = (
         "shard_broadcast_failure_unnamed",
         "sharded optimizer: a failed broadcast raises gloo's bare error, naming no parameter or rank",
         "overlapddp/shard/optimizer.py",
-        "            except Exception as error:\n                raise RuntimeError(\n",
-        "            except Exception as error:\n                raise\n                raise RuntimeError(\n",
+        "                raise RuntimeError(\n                    f\"The broadcast of {names} from its owner",
+        "                raise\n                raise RuntimeError(\n                    f\"The broadcast of {names} from its owner",
         ("tests/test_reliability.py::test_survivors_of_a_rank_dead_before_its_sharded_step_raise_naming_the_parameter_and_the_rank",),
     ),
 )

@@ -4,10 +4,12 @@ Attached with ``OverlapDDP.attach_optimizer(optimizer, shard=True)``. Backward i
 holds DDP's reduced gradients in ``param.grad``. The optimizer's ``step()`` then:
 
 1. checks that the gradients are reduced and final (as the guard does; no collective);
-2. walks one schedule that is the same on every rank: for each parameter, its owner runs the
-   user's own optimizer over that parameter alone (each ``param_group["params"]`` briefly lists
-   only it), then every rank launches that parameter's broadcast from its owner. An owner's
-   broadcast is thus in flight while the later updates run;
+2. walks one schedule that is the same on every rank, the owners taking turns: at each entry the
+   owner runs the user's own optimizer over that entry's parameters alone (each
+   ``param_group["params"]`` briefly lists only them), then every rank launches their broadcast
+   from the owner. An owner's broadcast is thus in flight while the later updates run. An entry is
+   one parameter of at least ``SMALL`` elements (broadcast in place), or several smaller ones of one
+   dtype sent as one flat copy (one collective instead of many: gloo's cost is per call);
 3. waits for every broadcast, so the parameters are final when ``step()`` returns.
 
 Hyperparameters are always the user's (its groups are the ones stepped), and state exists only for
@@ -30,6 +32,9 @@ from overlapddp.shard.checks import ShardRequest
 from overlapddp.shard.ownership import Ownership, plan_ownership, update_cost
 from overlapddp.shard.state import consolidate, owned_part
 from overlapddp.shard.step_record import StepRecord
+
+# Parameters of fewer elements share one broadcast (a flat copy) with their neighbours of the schedule.
+SMALL = 1 << 16
 
 
 def broadcast_from(tensor: torch.Tensor, owner: int, group: dist.ProcessGroup) -> Any:
@@ -60,7 +65,7 @@ class ShardedOptimizer:
         self._owners: list[int | None] = [None] * len(self._held)
         for i, owner in zip(sharded, self.ownership.owners, strict=True):
             self._owners[i] = owner
-        self._schedule = _interleaved(sharded, self._owners, costs, self.world_size)
+        self._schedule = _interleaved(sharded, self._owners, costs, [p for _, p in self._held], self.world_size)
         self._local = [i for i, owner in enumerate(self._owners) if owner is None]
         # Where each rank is, for the error of a broadcast that fails (shard/step_record.py).
         self._record = StepRecord(group, on_host=all(p.device.type == "cpu" for _, p in self._held))
@@ -68,11 +73,9 @@ class ShardedOptimizer:
         self.gather_start: Callable[[torch.Tensor, int], Any] = lambda tensor, owner: broadcast_from(
             tensor, owner, group)
         # The user's own methods, called over narrowed groups (step) or wrapped (the state dicts).
-        self._update = optimizer.step
         self._plain_state_dict = optimizer.state_dict
         self._plain_load_state_dict = optimizer.load_state_dict
-        self._plain_add_param_group = optimizer.add_param_group
-        take_over_step(optimizer, self.step)
+        self._update = take_over_step(optimizer, self.step)
         optimizer.state_dict = self.state_dict  # type: ignore[method-assign]
         optimizer.load_state_dict = self.load_state_dict  # type: ignore[method-assign]
         optimizer.add_param_group = self._refuse_new_group  # type: ignore[method-assign]
@@ -118,13 +121,16 @@ class ShardedOptimizer:
         if self._record.entered == 0:
             self._agree()
         self._record.enter()
-        launched: list[tuple[int, Any]] = []
-        for index, owner in self._schedule:
-            param = self._held[index][1]
+        launched: list[tuple[list[int], int, torch.Tensor | None, Any]] = []
+        for indices, owner in self._schedule:
             if owner == self.rank:
-                self._update_only([index], kwargs)
-            if param.numel():
-                launched.append((index, self.gather_start(param.detach(), owner)))
+                self._update_only(indices, kwargs)
+            params = [self._held[i][1].detach() for i in indices]
+            if not any(p.numel() for p in params):
+                continue
+            # One parameter is sent in place; several as one flat copy, unpacked once it arrived.
+            flat = _packed(params, owner == self.rank) if len(params) > 1 else None
+            launched.append((indices, owner, flat, self.gather_start(params[0] if flat is None else flat, owner)))
         if self._local:
             self._update_only(self._local, kwargs)
         self._wait(launched)
@@ -134,18 +140,21 @@ class ShardedOptimizer:
         with narrowed(self.optimizer.param_groups, {id(self._held[i][1]) for i in indices}):
             self._update(**kwargs)
 
-    def _wait(self, launched: list[tuple[int, Any]]) -> None:
-        """Complete every broadcast; a failed one names the parameter and the owner that did not send it."""
-        for index, work in launched:
+    def _wait(self, launched: list[tuple[list[int], int, torch.Tensor | None, Any]]) -> None:
+        """Complete every broadcast (unpacking a flat one); a failed one names its parameters and owner."""
+        for indices, owner, flat, work in launched:
             try:
                 work.wait()
             except Exception as error:
+                names = ", ".join(self.param_names[i] for i in indices[:3]) + (", ..." if len(indices) > 3 else "")
                 raise RuntimeError(
-                    f"The broadcast of {self.param_names[index]} from its owner, rank {self._owners[index]}, failed "
+                    f"The broadcast of {names} from its owner, rank {owner}, failed "
                     f"on rank {self.rank} in step() ({error}). Where the ranks are: {self._record.others()}. A rank "
                     "that died or lags is one not in this step, or one whose broadcasts failed on every other rank. "
                     "The parameters may now differ between ranks: resume from a checkpoint."
                 ) from error
+            if flat is not None and owner != self.rank:
+                _unpack(flat, [self._held[i][1].detach() for i in indices])
 
     def _check(self, action: str) -> None:
         """Raise unless DDP's reduced gradients are all in ``param.grad`` (no collective)."""
@@ -218,14 +227,52 @@ def _first_difference(mine: list[Any], theirs: list[Any], rank: int, other: int)
     return f"rank {rank} holds {len(mine)} parameters, rank {other} {len(theirs)}"
 
 
-def _interleaved(sharded: list[int], owners: list[int | None], costs: list[float],
-                 world_size: int) -> list[tuple[int, int]]:
-    """The order every rank walks: the ranks' parameters taken in turns, each rank's most expensive
-    first, so each owner's broadcasts overlap the others' later updates and the last ones are small."""
+def _interleaved(sharded: list[int], owners: list[int | None], costs: list[float], params: list[torch.Tensor],
+                 world_size: int) -> list[tuple[list[int], int]]:
+    """The order every rank walks: each rank's entries (see ``_entries``) taken in turns, its most
+    expensive parameters first, so each owner's broadcasts overlap the others' later updates and the
+    last ones are small. Parameters of 0 elements are updated with their neighbours, never sent."""
     cost_of = dict(zip(sharded, costs, strict=True))
-    queues = [sorted((i for i in sharded if owners[i] == r), key=lambda i: (-cost_of[i], i))
+    queues = [_entries(sorted((i for i in sharded if owners[i] == r), key=lambda i: (-cost_of[i], i)), params)
               for r in range(world_size)]
-    order: list[tuple[int, int]] = []
+    order: list[tuple[list[int], int]] = []
     for turn in range(max((len(q) for q in queues), default=0)):
         order.extend((q[turn], rank) for rank, q in enumerate(queues) if turn < len(q))
     return order
+
+
+def _entries(indices: list[int], params: list[torch.Tensor]) -> list[list[int]]:
+    """One rank's parameters, in order, cut into entries: a parameter of ``SMALL`` elements or more
+    alone; smaller ones of one dtype and device together until the entry holds ``SMALL`` elements."""
+    entries: list[list[int]] = []
+    open_entry: list[int] = []
+    for index in indices:
+        param = params[index]
+        if param.numel() >= SMALL:
+            entries.append([index])
+            continue
+        if open_entry and (params[open_entry[0]].dtype, params[open_entry[0]].device) != (param.dtype, param.device):
+            entries.append(open_entry)
+            open_entry = []
+        open_entry.append(index)
+        if sum(params[i].numel() for i in open_entry) >= SMALL:
+            entries.append(open_entry)
+            open_entry = []
+    if open_entry:
+        entries.append(open_entry)
+    return entries
+
+
+def _packed(params: list[torch.Tensor], mine: bool) -> torch.Tensor:
+    """The flat buffer several parameters travel in: filled with them on their owner, empty elsewhere."""
+    if mine:
+        return torch.cat([p.reshape(-1) for p in params])
+    return torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+
+
+def _unpack(flat: torch.Tensor, params: list[torch.Tensor]) -> None:
+    """Copy the arrived flat buffer into its parameters (each in its own memory layout)."""
+    offset = 0
+    for p in params:
+        p.copy_(flat[offset:offset + p.numel()].view(p.shape))
+        offset += p.numel()
