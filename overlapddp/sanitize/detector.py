@@ -1,8 +1,8 @@
 """How is a program watched? The patches, the access mode and the report, for one ``with`` block.
 
 While :func:`detect` runs: every process-group method that launches a collective records it
-(``collectives.py`` says which tensors it writes and reads); ``Work.wait``/``get_future``/
-``is_completed`` and ``torch.Future``'s ``wait``/``value``/``done``/``then``/``add_done_callback``
+(``collectives.py`` says which tensors it writes and reads); ``Work.wait``/``synchronize``/
+``get_future``/``is_completed`` and ``torch.Future``'s ``wait``/``value``/``done``/``then``/``add_done_callback``
 (and ``torch.futures.collect_all``/``wait_all``) report what this rank observed; a dispatch mode
 checks every op on the calling thread (``accesses.py``); a global forward pre-hook collects the
 modules whose parameter names a finding uses. Stock DDP's C++ reducer waits on a comm hook's future
@@ -84,11 +84,17 @@ def _launcher(method: Method, real: Callable[..., Any], observed: _Observed, for
 def _work_patches(observed: _Observed) -> list[tuple[Any, str, Any]]:
     work = dist.Work
     real_wait, real_future, real_completed = work.wait, work.get_future, work.is_completed
+    real_synchronize = work.synchronize
     real_then = torch._C.Future.then  # not yet patched: chaining the forced value observes nothing
 
     def wait(handle: Any, *args: Any, **kwargs: Any) -> Any:
         result = real_wait(handle, *args, **kwargs)
         observed.observe(handle, "wait")
+        return result
+
+    def synchronize(handle: Any) -> Any:
+        result = real_synchronize(handle)
+        observed.observe(handle, "wait")  # NCCL: the current stream waits, as in wait()
         return result
 
     def get_future(handle: Any) -> Any:
@@ -107,7 +113,8 @@ def _work_patches(observed: _Observed) -> list[tuple[Any, str, Any]]:
             observed.observe(handle, "poll")
         return done
 
-    return [(work, "wait", wait), (work, "get_future", get_future), (work, "is_completed", is_completed)]
+    return [(work, "wait", wait), (work, "synchronize", synchronize), (work, "get_future", get_future),
+            (work, "is_completed", is_completed)]
 
 
 def _future_patches(observed: _Observed) -> list[tuple[Any, str, Any]]:  # noqa: C901 - one patch per method

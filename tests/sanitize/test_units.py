@@ -77,7 +77,7 @@ def test_an_all_gathers_input_may_be_read_but_not_written_before_it_completes(on
     assert [f.kind for f in findings] == [WRITE]
 
 
-def test_a_future_then_callback_observes_and_a_chained_futures_wait_too(one_rank):
+def test_a_then_callback_a_chained_futures_wait_a_poll_and_synchronize_observe(one_rank):
     with detect(echo=False) as findings:
         grad = torch.ones(4)
         future = dist.all_reduce(grad, async_op=True).get_future()
@@ -87,6 +87,15 @@ def test_a_future_then_callback_observes_and_a_chained_futures_wait_too(one_rank
         other = torch.ones(4)
         dist.all_reduce(other, async_op=True).get_future().then(lambda fut: None).wait()
         other.sum()
+        polled = torch.ones(4)
+        work = dist.all_reduce(polled, async_op=True)
+        while not work.is_completed():
+            time.sleep(0.001)
+        polled.sum()
+        synchronized = torch.ones(4)
+        work = dist.all_reduce(synchronized, async_op=True)
+        work.synchronize()
+        synchronized.sum()
     assert findings == []
 
 
