@@ -143,7 +143,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
 
-    from torchft._torchft import LighthouseServer
+    from torchft.coordination import LighthouseServer
 
     lighthouses = {name: LighthouseServer(bind="127.0.0.1:0", min_replicas=args.replicas) for name in WRAPPERS}
     context = mp.get_context("spawn")

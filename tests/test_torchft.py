@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 pytest.importorskip("torchft")
 
-from torchft._torchft import LighthouseServer  # noqa: E402
+from torchft.coordination import LighthouseServer  # noqa: E402
 
 from tests import torchft_replicas as replicas  # noqa: E402
 from tests.multiprocess import run_ranks, scaled_timeout  # noqa: E402

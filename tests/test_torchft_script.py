@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 pytest.importorskip("torchft")
 
-from torchft._torchft import LighthouseServer  # noqa: E402
+from torchft.coordination import LighthouseServer  # noqa: E402
 
 from tests.multiprocess import scaled_timeout  # noqa: E402
 

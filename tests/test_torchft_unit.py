@@ -1,6 +1,6 @@
 """The torchft wrapper's own logic in this process, with a stand-in Manager: what each bucket sends
-through the manager and in which dtype, what comes back, when buckets launch and complete, what is
-registered with the manager, and every refusal. (tests/test_torchft.py runs real replicas.)"""
+through the manager and in which dtype, what comes back, when buckets launch and complete, the bucket
+layout, the completion thread's end, and every refusal. (tests/test_torchft.py runs real replicas.)"""
 
 from __future__ import annotations
 
