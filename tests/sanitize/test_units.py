@@ -119,3 +119,13 @@ def test_detect_cannot_be_nested_and_undoes_its_patches(one_rank):
         with pytest.raises(RuntimeError, match="already running"), detect():
             pass
     assert dist.Work.wait is wait
+
+
+def test_a_broadcasts_root_only_sends_its_tensor(one_rank):
+    with detect(echo=False) as findings:
+        sent = torch.ones(4)
+        work = dist.broadcast(sent, src=0, async_op=True)  # rank 0 is the root of the one-rank group
+        sent.sum()  # reading what is being sent is safe
+        sent.add_(1)  # changing it is not
+        work.wait()
+    assert [f.kind for f in findings] == [WRITE]
