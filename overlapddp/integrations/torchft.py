@@ -208,7 +208,8 @@ class DistributedDataParallel(OverlapDDP):
 
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Compression through the manager: torch's ``fp16_compress_hook`` and ``bf16_compress_hook``
-        (``state`` is ignored: the manager is the group). Other hooks would reduce outside the manager."""
+        (``state`` is ignored: the manager is the group). Other hooks are refused: this wrapper's own
+        hook reduces through the manager (torchft's DDP, too, takes no second hook)."""
         known: object = hook
         if known is default_hooks.allreduce_hook:
             return  # what the manager's all-reduce already does
@@ -216,10 +217,12 @@ class DistributedDataParallel(OverlapDDP):
         if wire_dtype is None:
             name = getattr(hook, "__qualname__", repr(hook))
             raise ValueError(
-                f"overlapddp.integrations.torchft: the communication hook {name} cannot be registered: its collectives "
-                "would go to a process group outside the torchft Manager, so a dead replica would hang them and their "
-                "failures would not reach should_commit(). Supported: fp16_compress_hook, bf16_compress_hook "
-                "(through the manager's all-reduce), allreduce_hook (the default)."
+                f"overlapddp.integrations.torchft: the communication hook {name} cannot be registered: every bucket "
+                "is already reduced through the torchft Manager by this wrapper's own hook (torchft's DDP accepts no "
+                "other hook either), and another hook's collectives would go to a process group outside the Manager, "
+                "so a dead replica would hang them and their failures would not reach should_commit(). Supported: "
+                "fp16_compress_hook, bf16_compress_hook (through the manager's all-reduce), allreduce_hook (the "
+                "default)."
             )
         if self._manager_reduction.started or self._manager_reduction.wire_dtype is not None:
             raise RuntimeError(
