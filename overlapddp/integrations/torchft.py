@@ -288,7 +288,7 @@ def _check_arguments(manager: object, module: object, ddp_kwargs: dict[str, Any]
 
 def _replica_local_group() -> dist.ProcessGroup:
     """A process group of this rank alone, for OverlapDDP's own collectives (init sync, buffer
-    broadcast, rebuild): across replica groups only the manager reduces.
+    broadcast, the unused-parameter flags): across replica groups only the manager reduces.
 
     Without torch.distributed initialized (the usual torchft launch) this initializes a one-rank
     gloo group on an in-memory store; with several ranks per replica group each gets its own.
