@@ -4,6 +4,7 @@ longer watched for it."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -27,13 +28,10 @@ class _Reducer:
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.params = params
         self.fence = _Fence()
-        self.watchers = 0
+        self.stages = SimpleNamespace(write_watch=SimpleNamespace(watchers=0))  # the guards counted in
 
     def unfinished_buckets(self) -> list[int]:
         return []
-
-    def watch_gradient_writes(self, watching: bool = True) -> None:
-        self.watchers += 1 if watching else -1
 
 
 def _optimizer() -> tuple[torch.optim.Optimizer, list[torch.Tensor]]:
@@ -50,11 +48,11 @@ def test_detach_gives_the_optimizer_and_the_scaler_back(with_scaler: bool) -> No
     scaler = torch.amp.GradScaler("cpu") if with_scaler else None
     unscale: Any = scaler.unscale_ if scaler is not None else None
     guard = OptimizerGuard(reducer, optimizer, strict=False, allow_unsynced=False, scaler=scaler)  # type: ignore[arg-type]
-    assert reducer.watchers == 1
+    assert reducer.stages.write_watch.watchers == 1
     with pytest.raises(RuntimeError, match="no synchronized backward has run yet"):
         optimizer.step()
     guard.detach()
-    assert reducer.watchers == 0, "gradient writes are no longer watched for this guard"
+    assert reducer.stages.write_watch.watchers == 0, "gradient writes are no longer watched for this guard"
     assert optimizer.zero_grad == zero_grad
     if scaler is not None:
         assert scaler.unscale_ == unscale

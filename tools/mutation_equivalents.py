@@ -1179,4 +1179,33 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "backend=backend_for(self.process_group, self._reducer.params[ -1].device),",
         _ONE_TRAINABLE_DEVICE,
     ),
+    Equivalent(
+        "overlapddp/refusals.py",
+        "@dataclass(frozen=True) => @dataclass(frozen=False)",
+        "a Refusal is built once in the table and only read: nothing assigns to one",
+    ),
+    *(
+        Equivalent("overlapddp/refusals.py", change,
+                   "every row's pair holds one or two features (test_refusals_unit checks it): a pair of two is one of "
+                   "at least two, of one is one of at most one, and a one-feature pair that holds ``adding`` is it")
+        for change in (
+            "applies = len(refusal.pair) == 2 and refusal.pair <= set(in_force) => "
+            "applies = len(refusal.pair) >= 2 and refusal.pair <= set(in_force)",
+            "elif len(refusal.pair) == 1: => elif len(refusal.pair) <= 1:",
+            "applies = refusal.pair == {adding} and adding in in_force  # the same feature a second time => "
+            "applies = refusal.pair >= {adding} and adding in in_force  # the same feature a second time",
+            "applies = refusal.pair == {adding} and adding in in_force  # the same feature a second time => "
+            "applies = refusal.pair <= {adding} and adding in in_force  # the same feature a second time",
+        )
+    ),
+    Equivalent(
+        "overlapddp/bucket/consumer.py",
+        "@dataclass(frozen=True) => @dataclass(frozen=False)",
+        "a ReducedBucket is made by the pipeline and only read by the consumers: nothing assigns to one",
+    ),
+    Equivalent(
+        "overlapddp/bucket/consumer.py",
+        "value = value[0] => value = value[ -1]",
+        "the line runs only for a list or tuple of exactly one element, whose first is its last",
+    ),
 )
