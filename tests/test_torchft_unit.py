@@ -144,6 +144,31 @@ def test_every_bucket_launches_before_the_first_completes_on_the_completion_thre
     assert {thread for tag, thread in manager.events if tag == "done"} == {"overlapddp-torchft-completion"}
 
 
+class _Branches(nn.Module):
+    """A forward that leaves a parameter out, as torchft's DDP accepts (it searches unused parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.used, self.unused = nn.Linear(6, 3), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def test_a_forward_that_leaves_parameters_out_trains_as_with_torchfts_ddp() -> None:
+    """No find_unused_parameters to pass: the used parameters are reduced, the unused keep no gradient."""
+    model = ours.DistributedDataParallel(StandInManager(), _Branches())
+    inputs = torch.randn(4, 6)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        model(inputs).square().sum().backward()
+        local = _Branches()
+        local(inputs).square().sum().backward()
+        assert torch.equal(model.module.used.weight.grad, local.used.weight.grad + 1)
+        assert model.module.unused.weight.grad is None
+
+
 def test_an_error_in_the_completion_reaches_backward() -> None:
     manager = StandInManager()
     model = _four_buckets(manager)
