@@ -444,21 +444,13 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         'self._ended = False  # a synchronized iteration ended (or was shadowed) since the last forward => self._ended = True  # a synchronized iteration ended (or was shadowed) since the last forward',
         "never read: between_iterations resets the flag before the selection that reads it exists",
     ),
-    Equivalent(
-        'overlapddp/layout/tuner.py',
-        'for i, seconds in zip(marked, read(stamps), strict=True): => for i, seconds in zip(marked, read(stamps), strict=False):',
-        "the stamps are the marked gradients' own, and read() returns one value per stamp: equal lengths",
-    ),
+
     Equivalent(
         'overlapddp/layout/tuner.py',
         'work = [end - start for start, end in zip(starts, ends, strict=True)] => work = [end - start for start, end in zip(starts, ends, strict=False)]',
         "starts and ends are read from the same finalize list, one each: equal lengths",
     ),
-    Equivalent(
-        'overlapddp/layout/tuner.py',
-        'work += [0.0] * (len(buckets) - len(work)) => work += [0.0] * (len(buckets) + len(work))',
-        "the padding makes work at least as long as the buckets; the zip that pairs them (strict=False) drops any extra zeros",
-    ),
+
     Equivalent(
         'overlapddp/layout/tuner.py',
         'first = min((t for t in ready if not math.isnan(t)), default=0.0) => first = min((t for t in ready if not math.isnan(t)), default= 1.0)',
@@ -469,11 +461,7 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         'first = min((t for t in ready if not math.isnan(t)), default=0.0) => first = min((t for t in ready if not math.isnan(t)), default= -1.0)',
         "the default is used only when every ready time is NaN, and NaN minus any first time stays NaN",
     ),
-    Equivalent(
-        'overlapddp/layout/tuner.py',
-        'for (n, tensors, _, _, host_s), start, done, seconds in zip(buckets, launched, finished, work, strict=False) => for (n, tensors, _, _, host_s), start, done, seconds in zip(buckets, launched, finished, work, strict=True)',
-        "launched and finished come from the buckets one each and work is padded to their length: strict never fires",
-    ),
+
     Equivalent(
         'overlapddp/layout/tuner.py',
         'if len(layouts) == 1: => if len(layouts) <= 1:',
@@ -582,11 +570,7 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "CPython keeps one object for each int from -5 to 256, so the id -1 is always the cached -1: 'is not' "
         "and '!=' agree",
     ),
-    Equivalent(
-        "overlapddp/bucket/pipeline.py",
-        "if timing is not None and reduced_at is not None: => if timing is not None or reduced_at is not None:",
-        "reduced_at is stamped exactly when timing is given (the line after the wait), so both tests agree",
-    ),
+
     Equivalent(
         "overlapddp/bucket/pipeline.py",
         "return self.missing == 0 => return self.missing <= 0",
@@ -634,17 +618,8 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "everyone = gather_objects(mine, process_group, params[ -1].device)",
         "construction refuses a module whose parameters are on several devices: the first one's device is the last one's",
     ),
-    Equivalent(
-        "overlapddp/bucket/pipeline.py",
-        "if TYPE_CHECKING: => if not TYPE_CHECKING:",
-        "the guarded import names a type used only in annotations, which this module never evaluates "
-        "(from __future__ import annotations); importing it at run time binds a name nothing reads",
-    ),
-    Equivalent(
-        "overlapddp/bucket/pipeline.py",
-        "value = value[0] => value = value[ -1]",
-        "the line runs only for a list or tuple of exactly one element (checked on the line before)",
-    ),
+
+
     *(
         Equivalent("overlapddp/layout/lifecycle.py", f"{line} => {line.replace(' is not ', ' != ').replace(' is ', ' == ')}",
                    "LayoutPhase members are singletons without a custom __eq__: identity and equality agree")
@@ -817,12 +792,7 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "for p, norm in zip(grads, foreach_norm([p.grad for p in grads], self.norm_type), strict=False):",
         "foreach_norm returns one norm per tensor it is given: the lengths are equal",
     ),
-    Equivalent(
-        "overlapddp/optim/overlap.py",
-        "for group, group_params in zip(groups, everything, strict=True): => "
-        "for group, group_params in zip(groups, everything, strict=False):",
-        "everything is built from groups one entry per group, two lines above",
-    ),
+
     Equivalent(
         "overlapddp/optim/overlap.py",
         "if self._reducer.reductions == self._stepped_at: => if self._reducer.reductions is self._stepped_at:",
@@ -834,11 +804,7 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "sparse_names = [n for (n, _), s in zip(trainable, sparse, strict=False) if s]",
         "sparse is built from trainable one entry per parameter, the line before",
     ),
-    Equivalent(
-        "overlapddp/construction.py",
-        'return self.args.bucket_plan == "tuned" => return self.args.bucket_plan >= "tuned"',
-        "the combination rules run after bucket_plan is checked against BUCKET_PLANS, and 'ddp' sorts before 'tuned'",
-    ),
+
     Equivalent(
         "overlapddp/construction.py",
         'tuned_plan=args.bucket_plan == "tuned", => tuned_plan=args.bucket_plan >= "tuned",',
@@ -883,11 +849,6 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "overlapddp/construction.py",
         'if (args.delay_all_reduce_named_params is None) != (args.param_to_hook_all_reduce is None): => if (args.delay_all_reduce_named_params is None) is not (args.param_to_hook_all_reduce is None):',
         "both sides are the bool singletons True and False: 'is not' and '!=' agree on them",
-    ),
-    Equivalent(
-        "overlapddp/construction.py",
-        '@dataclass(frozen=True) => @dataclass(frozen=False)',
-        "_Features is built once per construction and only read by the combination rules: nothing assigns to it",
     ),
     Equivalent(
         "overlapddp/compile_split.py",
@@ -981,19 +942,6 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "Dynamo's frame count only grows: a count that differs from the one saved is larger",
     ),
     Equivalent(
-        "overlapddp/reducer.py",
-        "if TYPE_CHECKING: => if not TYPE_CHECKING:",
-        "the guarded import names a type used only in annotations, which this module never evaluates (from __future__ "
-        "import annotations); the tuner sits below the reducer, so importing it at run time opens no cycle",
-    ),
-    Equivalent(
-        "overlapddp/wrapper.py",
-        "if shard and (self._reducer.after_bucket_reduced is not None or self._reducer.after_all_reduced is not None): "
-        "=> if shard and (self._reducer.after_bucket_reduced is not None and self._reducer.after_all_reduced is not None):",
-        "the overlapped optimizer sets both callbacks together, and nothing else sets either (the sharded "
-        "optimizer steps in step(), through no reducer callback)",
-    ),
-    Equivalent(
         "overlapddp/wrapper.py",
         "replaced = dict(zip(map(id, leaves), _EndOfBackward.apply(reducer, *leaves), strict=True)) => "
         "replaced = dict(zip(map(id, leaves), _EndOfBackward.apply(reducer, *leaves), strict=False))",
@@ -1032,11 +980,7 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         'if self.mode is GraphMode.LEARNING_STATIC: => if self.mode == GraphMode.LEARNING_STATIC:',
         _ENUM_MEMBERS,
     ),
-    Equivalent(
-        "overlapddp/reducer.py",
-        'if self.state is not ReducerState.IDLE or self.fence.in_flight(): => if self.state != ReducerState.IDLE or self.fence.in_flight():',
-        _ENUM_MEMBERS,
-    ),
+
     Equivalent(
         "overlapddp/reducer.py",
         'if self.state is not ReducerState.IDLE or current.in_flight(): => if self.state != ReducerState.IDLE or current.in_flight():',
@@ -1044,7 +988,7 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
     ),
     Equivalent(
         "overlapddp/reducer.py",
-        'if self.reductions or self.state is not ReducerState.IDLE or self._layouts.changed: => if self.reductions or self.state != ReducerState.IDLE or self._layouts.changed:',
+        'if self.reductions or self.state is not ReducerState.IDLE or self.layouts.changed: => if self.reductions or self.state != ReducerState.IDLE or self._layouts.changed:',
         _ENUM_MEMBERS,
     ),
     Equivalent(
@@ -1089,7 +1033,7 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
     ),
     Equivalent(
         "overlapddp/reducer.py",
-        'return BucketPipeline(index, members, storage, self._shared, is_last=index == len(self.plan.buckets) - 1) => return BucketPipeline(index, members, storage, self._shared, is_last=index >= len(self.plan.buckets) - 1)',
+        'return BucketPipeline(index, members, storage, self.stages, is_last=index == len(self.plan.buckets) - 1) => return BucketPipeline(index, members, storage, self._shared, is_last=index >= len(self.plan.buckets) - 1)',
         _BUCKET_INDEX,
     ),
     Equivalent(
@@ -1097,13 +1041,7 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         'return [p.index for p in self.pipelines if p.missing < len(p.members)] => return [p.index for p in self.pipelines if p.missing != len(p.members)]',
         _MISSING,
     ),
-    Equivalent(
-        "overlapddp/reducer.py",
-        "self._shared.write_watch.watchers += 1 if watching else -1 => "
-        "self._shared.write_watch.watchers += 1 if not watching else -1",
-        "the watcher count is read only as zero or not (bucket/pipeline.py); negating every step negates the "
-        "count, which is zero exactly when it was",
-    ),
+
     Equivalent(
         "overlapddp/reducer.py",
         'if self._sparse_gradient[members[0]]: => if self._sparse_gradient[members[ -1]]:',
@@ -1125,12 +1063,7 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "at the end of a counting backward the flag is read by no one: every parameter is counted right there and "
         "finalize replaces the iteration before another gradient can arrive",
     ),
-    Equivalent(
-        "overlapddp/reducer.py",
-        "return self._shared.reduction.enable_token_weighting(self.pipelines[0].storage.buffer.device) => "
-        "return self._shared.reduction.enable_token_weighting(self.pipelines[ -1].storage.buffer.device)",
-        _ONE_BUFFER_DEVICE,
-    ),
+
     Equivalent(
         "overlapddp/reducer.py",
         "device = self.pipelines[0].storage.buffer.device => device = self.pipelines[ -1].storage.buffer.device",
@@ -1173,12 +1106,7 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "(the autograd function's forward and backward; the ignore-list setter's removal is killed) torch calls "
         "them through the class, where a plain function takes the same arguments",
     ),
-    Equivalent(
-        "overlapddp/wrapper.py",
-        "backend=backend_for(self.process_group, self._reducer.params[0].device), => "
-        "backend=backend_for(self.process_group, self._reducer.params[ -1].device),",
-        _ONE_TRAINABLE_DEVICE,
-    ),
+
     Equivalent(
         "overlapddp/refusals.py",
         "@dataclass(frozen=True) => @dataclass(frozen=False)",

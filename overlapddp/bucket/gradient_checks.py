@@ -18,8 +18,8 @@ from overlapddp.module_sync import gather_objects
 class GradientWriteWatch:
     """Per bucket, each gradient and its version when copied in; checked when the bucket is written back.
 
-    Active while any optimizer guard is attached (``watchers``, counted by the reducer's
-    ``watch_gradient_writes``); ``taken`` runs at the copy-in, ``check`` before the copy-out.
+    Active while any optimizer guard is attached (``watchers``: each guard counts itself in and out);
+    ``taken`` runs at the copy-in, ``check`` before the copy-out.
     """
 
     def __init__(self, names: Sequence[str], params: Sequence[torch.Tensor], rank: int) -> None:
