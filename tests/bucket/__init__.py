@@ -1,0 +1,1 @@
+"""Tests of one bucket's life (overlapddp/bucket)."""

@@ -1,0 +1,1 @@
+"""Tests of which gradients go together, and the tuned plan (overlapddp/layout)."""

@@ -1,0 +1,1 @@
+"""Tests of the guard and the overlapped optimizer (overlapddp/optim)."""
