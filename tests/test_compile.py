@@ -27,8 +27,8 @@ from torch.nn.parallel import DistributedDataParallel
 from overlapddp import OverlapDDP
 from overlapddp.compile_split import cut_points
 from overlapddp.timeline import bucket_spans
-from tests import models
-from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
+from tests.support import models
+from tests.support.multiprocess import SLOW_TIMEOUT_S, run_ranks
 
 FORMS = {False: "OverlapDDP(compile(model))", True: "compile(OverlapDDP(model))"}
 SLOW_S = 0.15

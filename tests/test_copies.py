@@ -22,8 +22,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _MixedPrecision
 
 from overlapddp import OverlapDDP
-from tests import models
-from tests.multiprocess import run_ranks
+from tests.support import models
+from tests.support.multiprocess import run_ranks
 
 COPIERS: dict[str, Callable[[Any], Any]] = {
     "deepcopy": copy.deepcopy,

@@ -20,7 +20,7 @@ from overlapddp.layout.plan import BucketCaps, explicit_plan
 from overlapddp.param_usage import UsageMap
 from overlapddp.reducer import Reducer
 from overlapddp.testing import DelayedFence
-from tests.fake_cuda import HostReads, RecordingKit
+from tests.support.fake_cuda import HostReads, RecordingKit
 
 CPU = torch.device("cpu")
 

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
 from overlapddp.delayed_reduction import FENCE_KEY, DelayedReduction
-from tests.multiprocess import run_ranks
+from tests.support.multiprocess import run_ranks
 
 STEPS = 3
 LATE_LAUNCH_S = 0.2

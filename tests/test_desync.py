@@ -9,8 +9,8 @@ import os
 import time
 
 from overlapddp import OverlapDDP
-from tests import models
-from tests.multiprocess import run_ranks
+from tests.support import models
+from tests.support.multiprocess import run_ranks
 
 
 def _train(rank: int, world_size: int, behaviour: str) -> str:

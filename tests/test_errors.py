@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 from overlapddp import OverlapDDP
-from tests import models
-from tests.multiprocess import run_ranks
+from tests.support import models
+from tests.support.multiprocess import run_ranks
 
 
 def test_no_process_group_says_how_to_create_one():

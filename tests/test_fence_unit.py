@@ -11,7 +11,7 @@ from torch.futures import Future
 
 from overlapddp import fence as fence_module
 from overlapddp.fence import BACKWARD_END, CudaFence, Fence, FenceEdge, FenceLog, _address, _tensors_of, fence_for
-from tests.fake_cuda import RecordingKit
+from tests.support.fake_cuda import RecordingKit
 
 
 def _edge(iteration: int, bucket: int, edge: str, buffer: int = 1) -> FenceEdge:

@@ -9,9 +9,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
-from tests import faults, models
-from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
-from tests.parity import skipping_sync
+from tests.support import faults, models
+from tests.support.multiprocess import SLOW_TIMEOUT_S, run_ranks
+from tests.support.parity import skipping_sync
 
 BASE_STEPS = 3
 # (model, divide_by_initial_world_size, wrapper arguments, micro-steps per step: all but the last under

@@ -1,4 +1,4 @@
-"""The loop contract matrix (tests/loop_contract.py): every loop line in every mode is bit-equal to
+"""The loop contract matrix (tests/support/loop_contract.py): every loop line in every mode is bit-equal to
 stock DDP running the same loop, raises at that line naming the operation and the fix, or differs
 exactly as the mode's docstring states. One spawn per world size runs every cell; each cell is a test."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from overlapddp import OverlapDDP
-from tests import loop_contract
-from tests.loop_contract import CONTRACT, MODES, WORLD_SIZES, Cell, cells, expected, judge
-from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
+from tests.support import loop_contract
+from tests.support.loop_contract import CONTRACT, MODES, WORLD_SIZES, Cell, cells, expected, judge
+from tests.support.multiprocess import SLOW_TIMEOUT_S, run_ranks
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "loop_contract.md"
 ALL_CELLS = [cell for world_size in WORLD_SIZES for cell in cells(world_size)]
@@ -60,7 +60,7 @@ def test_the_docs_table_is_the_one_the_cells_are_checked_against() -> None:
     text = DOC.read_text()
     table = re.search(r"<!-- loop-contract-table -->\n(.*?)\n<!-- /loop-contract-table -->", text, re.S)
     assert table is not None and table.group(1) == loop_contract.doc_table(), (
-        "docs/loop_contract.md's table is stale: paste tests.loop_contract.doc_table() between its markers")
+        "docs/loop_contract.md's table is stale: paste tests.support.loop_contract.doc_table() between its markers")
 
 
 def _raised(at: str, message: str, differences: list[str]) -> dict:

@@ -1,4 +1,4 @@
-"""Loops beyond forward-backward-step, bit-equal to stock DDP (see tests/loops.py for each case):
+"""Loops beyond forward-backward-step, bit-equal to stock DDP (see tests/support/loops.py for each case):
 GAN steps with BatchNorm buffers broadcast at every forward, and reentrant activation checkpointing
 with ``find_unused_parameters=True``: a layer in two segments, unused layers, no_sync accumulation."""
 
@@ -9,8 +9,8 @@ import torch
 
 from overlapddp import OverlapDDP
 from overlapddp.reducer import GraphMode
-from tests import loops
-from tests.multiprocess import run_ranks
+from tests.support import loops
+from tests.support.multiprocess import run_ranks
 
 CASES = [case.name for case in loops.GAN_CASES + loops.CHECKPOINT_CASES]
 

@@ -20,8 +20,8 @@ from torch import nn
 from torch.nn.parallel.distributed import _MixedPrecision
 
 from overlapddp import OverlapDDP, mixed_precision
-from tests.multiprocess import run_ranks
-from tests.precision_reference import HandWrittenCasts
+from tests.support.multiprocess import run_ranks
+from tests.support.precision_reference import HandWrittenCasts
 
 STEPS = 4
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.multiprocess import TIMEOUT_SCALE_ENV, run_ranks
+from tests.support.multiprocess import TIMEOUT_SCALE_ENV, run_ranks
 
 
 def _rank_1_sleeps_forever(rank: int, world_size: int) -> str:
@@ -42,7 +42,7 @@ def test_a_rank_that_exits_without_a_result_fails_at_once_with_its_exit_code(mon
 
 
 def test_the_timeout_scale_stretches_every_timeout(monkeypatch):
-    from tests.multiprocess import scaled_timeout
+    from tests.support.multiprocess import scaled_timeout
 
     monkeypatch.setenv(TIMEOUT_SCALE_ENV, "2.5")
     assert scaled_timeout(180) == 450

@@ -49,7 +49,7 @@ def test_a_stale_snippet_is_reported(tmp_path):
 
 def test_every_injected_fault_replaces_an_attribute_that_exists():
     """A fault whose target moved would raise inside the rank and fail every parity check it feeds."""
-    from tests import faults
+    from tests.support import faults
 
     for name, make in faults.FAULTS.items():
         owner, attribute, _ = make()

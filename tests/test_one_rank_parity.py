@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.parity import Scenario, missing_for, run_scenario
+from tests.support.parity import Scenario, missing_for, run_scenario
 
 TINY = 0.001  # ~1 KiB caps: a bucket per parameter or two
 FIND_UNUSED = (("find_unused_parameters", True),)

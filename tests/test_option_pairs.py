@@ -1,4 +1,4 @@
-"""Every pair of options (tests/option_pairs.py): generated all-pairs rows, each bit-equal to stock DDP
+"""Every pair of options (tests/support/option_pairs.py): generated all-pairs rows, each bit-equal to stock DDP
 after every step at the world size the row names. Needs allpairspy (the ``test`` extra)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
-from tests import option_pairs
-from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
+from tests.support import option_pairs
+from tests.support.multiprocess import SLOW_TIMEOUT_S, run_ranks
 
 
 def _needs_allpairspy() -> None:

@@ -11,8 +11,8 @@ import functools
 import pytest
 import torch
 
-from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
-from tests.parity import Outcome, Scenario, missing_for, outcomes_by_scenario, run_scenarios
+from tests.support.multiprocess import SLOW_TIMEOUT_S, run_ranks
+from tests.support.parity import Outcome, Scenario, missing_for, outcomes_by_scenario, run_scenarios
 
 FIND_UNUSED = (("find_unused_parameters", True),)
 BUCKET_VIEW = (("gradient_as_bucket_view", True),)

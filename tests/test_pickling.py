@@ -30,9 +30,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
-from tests import models
-from tests.multiprocess import run_ranks
-from tests.parity import ddp_layout, first_difference, first_grad_difference
+from tests.support import models
+from tests.support.multiprocess import run_ranks
+from tests.support.parity import ddp_layout, first_difference, first_grad_difference
 
 
 def _torch_save_load(wrapper: torch.nn.Module) -> torch.nn.Module:

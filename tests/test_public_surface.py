@@ -10,6 +10,7 @@ private and may move.
 from __future__ import annotations
 
 import importlib
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -41,9 +42,14 @@ def test_the_package_docstring_names_the_public_surface() -> None:
 
 
 def test_the_wheel_ships_every_module(tmp_path: Path) -> None:
-    """Built as pip builds it (no network: the installed setuptools)."""
+    """Built as pip builds it (no network: the installed setuptools), from a copy of what the build reads
+    (setuptools writes build/ beside the sources)."""
+    source = tmp_path / "source"
+    shutil.copytree(REPO / "overlapddp", source / "overlapddp", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "setup.cfg", "README.md"):
+        shutil.copy(REPO / name, source / name)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(source)],
         check=True, capture_output=True, timeout=300,
     )
     (wheel,) = tmp_path.glob("overlapddp-*.whl")

@@ -17,8 +17,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
 from overlapddp.testing import SynchronousReference, delay_communication, unfenced
-from tests import models
-from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
+from tests.support import models
+from tests.support.multiprocess import SLOW_TIMEOUT_S, run_ranks
 
 REPETITIONS = 20
 STEPS = 3

@@ -14,8 +14,8 @@ import torch
 
 from overlapddp import OverlapDDP
 from overlapddp.testing import delay_communication
-from tests import models
-from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
+from tests.support import models
+from tests.support.multiprocess import SLOW_TIMEOUT_S, run_ranks
 
 
 def _error_after(action: Callable[[], object]) -> dict[str, object]:

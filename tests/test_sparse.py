@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
 from overlapddp.bucket import sparse_storage as sparse_reduction
-from tests.multiprocess import run_ranks
+from tests.support.multiprocess import run_ranks
 
 STEPS = 4
 

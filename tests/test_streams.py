@@ -1,4 +1,4 @@
-"""The stream race detector (tests/streams/) on every CUDA path, under the NCCL model, and on the CPU
+"""The stream race detector (tests/support/streams/) on every CUDA path, under the NCCL model, and on the CPU
 path with gloo's worker thread as a stream: each scenario must leave no read, write or free unordered,
 and together they must run every line of the CUDA path (the coverage gate, with its exceptions).
 
@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.streams import scenarios
-from tests.streams.backends import simulate
-from tests.streams.coverage import ROOT, LineTracer, cuda_lines
-from tests.streams.sim import Sim
-from tests.streams.sites import call_sites, is_cast
+from tests.support.streams import scenarios
+from tests.support.streams.backends import simulate
+from tests.support.streams.coverage import ROOT, LineTracer, cuda_lines
+from tests.support.streams.sim import Sim
+from tests.support.streams.sites import call_sites, is_cast
 
 TRACED = LineTracer()  # the lines the scenarios ran, for the coverage gate
 TRACED_SCENARIOS: set[str] = set()
@@ -40,13 +40,13 @@ NOT_RUN = [
     ("overlapddp/device_streams.py", "return torch.cuda.device(device)", "needs a CUDA device object; "
      "tests/test_cuda_logic.py patches torch.cuda.device to check it"),
     ("overlapddp/device_streams.py", "yield", "side_stream without device ids (the CPU path): "
-     "tests/test_frameworks.py runs it"),
+     "tests/integrations/test_frameworks.py runs it"),
     ("overlapddp/fence.py", 'raise RuntimeError(f"Bucket {bucket} was launched before it was produced.")',
      "an invariant of the reducer, unreachable through the public API"),
     ("overlapddp/fence.py", "pass", "a dropped collective whose future raises: the model's collectives never fail "
      "(gloo failures are tests/test_reliability.py's)"),
     ("overlapddp/integrations/ray.py", "if torch.cuda.is_available() and device.type",
-     "Ray's prepare_model needs a Ray worker; tests/test_ray.py runs it"),
+     "Ray's prepare_model needs a Ray worker; tests/integrations/test_ray.py runs it"),
     ("overlapddp/integrations/ray.py", 'kwargs = {"device_ids": [device]', "the same, on a GPU worker only"),
     ("overlapddp/testing.py", "self._on_cuda[bucket] = buffer.is_cuda",
      "race forcing for the GPU tests (delay_communication), run by tests/gpu"),
@@ -56,7 +56,7 @@ NOT_RUN = [
     ("overlapddp/testing.py", "_device_sleep(seconds)", "the same"),
     ("overlapddp/testing.py", "future.wait()", "drains the collectives a GPU mutation run left unwaited (tests/gpu)"),
     ("overlapddp/testing.py", "work.wait()", "delay_parameter_gathers on a rank that receives a parameter (two ranks, "
-     "on a thread of its own): tests/test_sharded_optimizer.py runs it"),
+     "on a thread of its own): tests/shard/test_sharded_optimizer.py runs it"),
     ("overlapddp/torch_compat.py", 'sleep = getattr(torch.cuda, "_sleep", None)', "torch.cuda._sleep: GPU only"),
 ]
 

@@ -24,7 +24,7 @@ from overlapddp.testing import (
     delay_parameter_gathers,
     unfenced,
 )
-from tests.fake_cuda import RecordingKit
+from tests.support.fake_cuda import RecordingKit
 
 
 def _done(value: object) -> Future:

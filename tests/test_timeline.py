@@ -10,8 +10,8 @@ import torch
 from overlapddp import OverlapDDP
 from overlapddp.testing import delay_communication
 from overlapddp.timeline import bucket_spans, chrome_trace, summarize
-from tests import models
-from tests.multiprocess import run_ranks
+from tests.support import models
+from tests.support.multiprocess import run_ranks
 
 DELAY_S = 0.05
 

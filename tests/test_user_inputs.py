@@ -1,13 +1,13 @@
 """Inputs and outputs DDP users feed: int64 and bool tensors, keyword arguments, nested containers,
 named tuples and dataclasses, ``None`` outputs, an output the loss never reaches; in every mode that
-touches them, bit-equal to stock DDP every step (see tests/user_inputs.py for each scenario)."""
+touches them, bit-equal to stock DDP every step (see tests/support/user_inputs.py for each scenario)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests import user_inputs
-from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
+from tests.support import user_inputs
+from tests.support.multiprocess import SLOW_TIMEOUT_S, run_ranks
 
 NAMES = [s.name for s in user_inputs.SCENARIOS]
 

@@ -17,8 +17,8 @@ from torch.nn.parallel import DistributedDataParallel
 from overlapddp import OverlapDDP
 from overlapddp.param_usage import map_tensors, tensors_in
 from overlapddp.torch_compat import ddp_accepts
-from tests import models
-from tests.multiprocess import run_ranks
+from tests.support import models
+from tests.support.multiprocess import run_ranks
 
 
 def test_constructor_signature_matches_ddp_names_order_and_defaults():

@@ -1136,4 +1136,10 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "value = value[0] => value = value[ -1]",
         "the line runs only for a list or tuple of exactly one element, whose first is its last",
     ),
+    Equivalent(
+        "overlapddp/optim/takeover.py",
+        "for group, params in zip(groups, everything, strict=True): => "
+        "for group, params in zip(groups, everything, strict=False):",
+        "(both zips of narrowed) everything is built from groups, one list per group: their lengths are equal",
+    ),
 )

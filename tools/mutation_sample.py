@@ -12,8 +12,8 @@ from __future__ import annotations
 from mutation_run import Sampled
 
 OPTIONS = ("tests/test_options.py",)
-VALIDATION = ("tests/test_comm_hook_validation.py",)
-BUCKET = ("tests/test_comm_hook_bucket.py",)
+VALIDATION = ("tests/bucket/test_comm_hook_validation.py",)
+BUCKET = ("tests/bucket/test_comm_hook_bucket.py",)
 SYNC_DEFAULT = (
     "tests/test_sync_checks.py::test_a_new_wrapper_and_a_new_flag_check_require_backward_grad_sync_as_ddp_does",
 )

@@ -37,23 +37,23 @@ PACKAGE = "overlapddp"
 DEFAULT_TIMEOUT_S = 900  # per mutation; run_ranks fails a hung spawn well before this
 COPY_IGNORE = shutil.ignore_patterns(".git", "__pycache__", "*.egg-info", ".pytest_cache", "build", "dist", "img")
 
-READY_ORDER = "tests/test_ready_order.py::test_every_rank_uses_the_layout_built_from_rank_0s_ready_order"
-READY_VALUES = "tests/test_ready_order.py::test_ranks_with_different_ready_orders_stay_bit_equal_to_ddp"
-GUARD = "tests/test_guard.py::test_guard_raises_a_clear_error_naming_the_problem_and_rank"
-OVERLAP = "tests/test_optimizer_overlap.py"
+READY_ORDER = "tests/layout/test_ready_order.py::test_every_rank_uses_the_layout_built_from_rank_0s_ready_order"
+READY_VALUES = "tests/layout/test_ready_order.py::test_ranks_with_different_ready_orders_stay_bit_equal_to_ddp"
+GUARD = "tests/optim/test_guard.py::test_guard_raises_a_clear_error_naming_the_problem_and_rank"
+OVERLAP = "tests/optim/test_optimizer_overlap.py"
 HANDED_OVER = "tests/test_race.py::test_each_collective_is_handed_the_complete_bucket_as_in_ddp"
 LOOPS = "tests/test_loops.py::test_gan_steps_and_reentrant_checkpoints_match_ddp"
 JOIN_WS2 = "tests/test_join.py::test_join_with_uneven_inputs_is_bit_equal_to_ddp_every_step_and_after[2]"
 STEM_FIRST = "tests/test_compile.py::test_every_bucket_but_the_stems_launches_in_the_first_half_of_a_compiled_backward"
-HOOK_VALUES = "tests/test_comm_hooks.py::test_hook_parameters_and_buffers_equal_ddp_after_every_step"
+HOOK_VALUES = "tests/bucket/test_comm_hooks.py::test_hook_parameters_and_buffers_equal_ddp_after_every_step"
 HOOK_ORDER = ("tests/test_option_pairs.py::"
               "test_collectives_started_between_a_hooks_callbacks_keep_one_order_on_every_rank")
 USER_INPUTS = "tests/test_user_inputs.py::test_user_inputs_and_outputs_are_bit_equal_to_ddp_in_every_mode"
-SHARDED_WS2 = "tests/test_sharded_optimizer.py::test_every_line_of_a_ddp_loop_is_bit_equal_with_the_optimizers_sharded[2]"
-SHARDED_RESUME = "tests/test_sharded_optimizer.py::test_checkpoints_resume_bit_exact_across_world_sizes_2_and_3"
-SHARDED_ONE_RANK = ("tests/test_sharded_optimizer_one_rank.py::"
+SHARDED_WS2 = "tests/shard/test_sharded_optimizer.py::test_every_line_of_a_ddp_loop_is_bit_equal_with_the_optimizers_sharded[2]"
+SHARDED_RESUME = "tests/shard/test_sharded_optimizer.py::test_checkpoints_resume_bit_exact_across_world_sizes_2_and_3"
+SHARDED_ONE_RANK = ("tests/shard/test_sharded_optimizer_one_rank.py::"
                     "test_each_owned_update_is_launched_at_once_and_the_others_are_left_to_their_owners")
-TOKENS_EXACT = "tests/test_token_weighting.py::test_token_weighting_is_bit_equal_to_ddp_dividing_by_the_global_count_every_step"
+TOKENS_EXACT = "tests/bucket/test_token_weighting.py::test_token_weighting_is_bit_equal_to_ddp_dividing_by_the_global_count_every_step"
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ MUTATIONS = (
         "overlapddp/bucket/reduction.py",
         "        after = self._hook_future if chained else None",
         "        after = None",
-        ("tests/test_comm_hooks.py::test_hook_chains_run_one_bucket_at_a_time",),
+        ("tests/bucket/test_comm_hooks.py::test_hook_chains_run_one_bucket_at_a_time",),
     ),
     Mutation(
         "no_sync_guard_weakened",
@@ -375,7 +375,7 @@ MUTATIONS = (
         "overlapddp/integrations/trainer_strategy.py",
         "        if torch.is_grad_enabled() and model.require_backward_grad_sync:\n",
         "        if torch.is_grad_enabled():\n",
-        ("tests/test_frameworks.py::test_lightning_manual_accumulation_under_toggle_model_reduces_once_per_step_as_ddp"
+        ("tests/integrations/test_frameworks.py::test_lightning_manual_accumulation_under_toggle_model_reduces_once_per_step_as_ddp"
          "[lightning]",),
     ),
     Mutation(

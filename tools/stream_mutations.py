@@ -1,13 +1,13 @@
 """The stream mutation matrix: every wait, record_stream, event record and host read of the package,
 changed one call site at a time.
 
-The call sites come from an AST walk over ``overlapddp/`` (``tests/streams/sites.py``): every wait
+The call sites come from an AST walk over ``overlapddp/`` (``tests/support/streams/sites.py``): every wait
 (through the CUDA kit or not: ``future.wait``, ``work.wait``, ``event.synchronize``, ...), every
 ``record_stream``, every event ``record`` (left out, and recorded before the last work queued on its
 stream) and every host read (``.item()``, ``.tolist()``, ``float``/``int``/``bool`` of a tensor)
 made without its host wait; and every event record that has a statement before it in its block,
 moved above that statement in the source (with the statements that make its event). Each mutant runs
-the stream race detector's scenarios (``tests/streams/scenarios.py``, CUDA under the NCCL model and
+the stream race detector's scenarios (``tests/support/streams/scenarios.py``, CUDA under the NCCL model and
 the CPU path under gloo's) that reach its call; it is caught when one of them, clean on the
 unmutated code, reports a finding. A mutant no scenario can catch is listed with its reason in
 docs/cuda.md ("Mutants argued equivalent"), which this tool reads; any other is MISSED. Nothing is
@@ -27,9 +27,9 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.streams import scenarios  # noqa: E402
-from tests.streams.sim import Mutant, Sim  # noqa: E402
-from tests.streams.sites import call_sites, is_cast, moved, moved_records  # noqa: E402
+from tests.support.streams import scenarios  # noqa: E402
+from tests.support.streams.sim import Mutant, Sim  # noqa: E402
+from tests.support.streams.sites import call_sites, is_cast, moved, moved_records  # noqa: E402
 
 KINDS = "wait|record_stream|record|record earlier|record moved|host sync"
 ARGUED = re.compile(rf"^\| ({KINDS}) \| `([^`]+)` \| `([^`]+)` \| (.+) \|$")

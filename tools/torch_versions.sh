@@ -13,7 +13,7 @@ set -euo pipefail
 version=${1:?usage: tools/torch_versions.sh TORCH_VERSION [TEST_FILES...]}
 shift
 tests=("$@")
-[ ${#tests[@]} -gt 0 ] || tests=(tests/test_parity.py tests/test_comm_hooks.py)
+[ ${#tests[@]} -gt 0 ] || tests=(tests/test_parity.py tests/bucket/test_comm_hooks.py)
 checkout=$(cd "$(dirname "$0")/.." && pwd)
 venv=/tmp/tv-$version
 minor=$(echo "$version" | cut -d. -f2)

@@ -7,7 +7,7 @@ event or another stream merges that clock into the waiter's; whatever the host h
 every stream, so a stream merges the host's clock before each check.
 
 One model for two users: the race detector (``overlapddp.sanitize``) asks whether the stream that
-reads a tensor has seen its collective complete, and the test suite's CUDA model (``tests/streams``)
+reads a tensor has seen its collective complete, and the test suite's CUDA model (``tests/support/streams``)
 asks whether one access is ordered after another.
 """
 

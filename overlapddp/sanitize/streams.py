@@ -7,7 +7,7 @@ collective complete only through ``work.wait()`` or the future's ``wait()`` call
 current, an event recorded after such a wait, ``wait_stream`` on a stream that has, or the host
 having seen it finish (``synchronize``, a blocking copy to the host). :class:`CudaStreams` feeds
 these edges into the vector clocks of ``clocks.py`` by patching ``torch.cuda``'s streams and events
-while the detector runs; the test suite's CPU model of CUDA (``tests/streams``) keeps the same
+while the detector runs; the test suite's CPU model of CUDA (``tests/support/streams``) keeps the same
 clocks itself and hands them to the detector in its place.
 """
 

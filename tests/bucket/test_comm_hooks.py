@@ -1,9 +1,9 @@
 """Communication hooks: bit-equal to stock DDP with torch's own hooks, at world sizes 2, 3 and 4.
 
-Every hook in ``tests.hooks.HOOKS`` is registered on both wrappers (equal but separate states) and
+Every hook in ``tests.support.hooks.HOOKS`` is registered on both wrappers (equal but separate states) and
 every parameter and buffer is compared with ``torch.equal`` after every step, as in test_parity.py.
 Stock DDP is the reference throughout; where it cannot run a stock hook as is on CPU/gloo, the
-entry in ``tests.hooks`` says what DDP runs instead, and the tests below show that the unmodified
+entry in ``tests.support.hooks`` says what DDP runs instead, and the tests below show that the unmodified
 hook fails in DDP and OverlapDDP alike:
 
 * PowerSGD and quantization with several buckets: stock DDP starts each bucket's hook as soon as
@@ -15,9 +15,9 @@ hook fails in DDP and OverlapDDP alike:
   buckets, returning only when its chain is done, i.e. the order OverlapDDP enforces (each bucket's
   hook starts after the previous bucket's future). One-bucket models use the unmodified hook.
 * The quantization hooks index gloo's all-gather result as NCCL's stacked tensor; both wrappers run
-  them with only that result format adapted (``tests.hooks._StackedAllGather``).
+  them with only that result format adapted (``tests.support.hooks._StackedAllGather``).
 * ``batched_powerSGD_hook`` in torch 2.14 fails its own shape assertion on every backend; both
-  wrappers run it with a 2-D ``_orthogonalize`` (``tests.hooks._orthogonalize_one``).
+  wrappers run it with a 2-D ``_orthogonalize`` (``tests.support.hooks._orthogonalize_one``).
 * ``bf16_compress_hook`` / ``bf16_compress_wrapper``: DDP's name-based check may refuse them on a
   CPU-only torch build; DDP runs the same code under another name.
 * post-localSGD: ``subgroup=None`` builds intra-node groups from the accelerator count and raises
@@ -40,9 +40,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as power_s
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
-from tests import faults, hooks, models
-from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
-from tests.parity import Outcome, Scenario, outcomes_by_scenario, run_scenario
+from tests.support import faults, hooks, models
+from tests.support.multiprocess import SLOW_TIMEOUT_S, run_ranks
+from tests.support.parity import Outcome, Scenario, outcomes_by_scenario, run_scenario
 
 TINY = 0.001  # ~1 KiB bucket caps: after the rebuild, a bucket per parameter or two
 BUCKET_VIEW = (("gradient_as_bucket_view", True),)

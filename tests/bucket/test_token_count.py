@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from overlapddp.bucket.token_weighting import TokenCount
 from overlapddp.device_streams import CudaKit
-from tests.fake_cuda import RecordingKit
+from tests.support.fake_cuda import RecordingKit
 
 
 def test_counts_are_non_negative_ints() -> None:

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from overlapddp import OverlapDDP
-from tests import hooks, models
-from tests.multiprocess import run_ranks
+from tests.support import hooks, models
+from tests.support.multiprocess import run_ranks
 
 RTOL, ATOL = 1e-5, 1e-7
 
@@ -79,7 +79,7 @@ def _against_ddp_with_a_dividing_hook(rank: int, world_size: int, batched: bool,
     stock DDP dividing each bucket by the global token count in a hook (None: all equal)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from tests.parity import first_difference, first_grad_difference
+    from tests.support.parity import first_difference, first_grad_difference
 
     state = {"batched": batched, "total": 0.0}
     reference = DistributedDataParallel(models.build("transformer"), bucket_cap_mb=CAP_MB)

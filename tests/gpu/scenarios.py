@@ -24,7 +24,7 @@ from overlapddp import OverlapDDP
 from overlapddp.device_streams import CudaKit
 from overlapddp.fence import CudaFence
 from overlapddp.testing import _device_sleep, delay_communication
-from tests import models
+from tests.support import models
 
 DELAY_S = 0.02
 STEPS = 3

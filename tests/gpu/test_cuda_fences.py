@@ -13,9 +13,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
 from overlapddp.testing import delay_communication
-from tests import models
 from tests.gpu.scenarios import BACKENDS, deterministic, group_for, world_size_of
-from tests.multiprocess import run_ranks
+from tests.support import models
+from tests.support.multiprocess import run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

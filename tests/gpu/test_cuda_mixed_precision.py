@@ -16,7 +16,7 @@ from torch.nn.parallel.distributed import _MixedPrecision
 
 from overlapddp import OverlapDDP
 from tests.gpu.scenarios import BACKENDS, group_for, world_size_of
-from tests.multiprocess import run_ranks
+from tests.support.multiprocess import run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

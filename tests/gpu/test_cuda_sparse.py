@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
 from tests.gpu.scenarios import group_for
-from tests.multiprocess import run_ranks
+from tests.support.multiprocess import run_ranks
 from tests.test_sparse import Recommender, _batch, _differences
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

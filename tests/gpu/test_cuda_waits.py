@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from overlapddp.device_streams import WAITS
 from tests.gpu import scenarios
-from tests.multiprocess import run_ranks
+from tests.support.multiprocess import run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

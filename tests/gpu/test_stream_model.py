@@ -1,8 +1,8 @@
-"""Litmus tests for the stream race detector's model (tests/streams/): each rule it assumes, shown on
+"""Litmus tests for the stream race detector's model (tests/support/streams/): each rule it assumes, shown on
 the hardware by a small CUDA program whose timing a sleep kernel forces.
 
-Each test names the rule it checks (the ids of ``tests/streams/backends.py`` and the host-memory
-rules of ``tests/streams/sim.py``). Where a rule says an ordering is missing, the test shows the
+Each test names the rule it checks (the ids of ``tests/support/streams/backends.py`` and the host-memory
+rules of ``tests/support/streams/sim.py``). Where a rule says an ordering is missing, the test shows the
 stale value the race gives; where it says an ordering exists, the value is the fresh one although the
 producer was delayed. The NCCL rules run on a one-rank NCCL group in this process. Skips without a GPU.
 """
@@ -32,7 +32,7 @@ def _slow_fill(tensor: torch.Tensor, value: float, stream: torch.cuda.Stream) ->
         tensor.fill_(value)
 
 
-# -- host memory (tests/streams/sim.py) ------------------------------------------------------------------
+# -- host memory (tests/support/streams/sim.py) ------------------------------------------------------------------
 
 
 def test_a_stream_wait_does_not_order_a_host_read_of_pinned_memory_an_event_synchronize_does():
@@ -84,7 +84,7 @@ def test_pinned_memory_is_not_reused_while_a_copy_from_it_is_queued():
     torch.cuda.synchronize()
 
 
-# -- NCCL (tests/streams/backends.py, N1 to N5) --------------------------------------------------------------
+# -- NCCL (tests/support/streams/backends.py, N1 to N5) --------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +188,7 @@ def test_n5_a_child_future_orders_its_waiter_only_when_its_value_holds_cuda_memo
     assert seen == {"tensor": 1.0, "none": 0.0}
 
 
-# -- the autograd engine (tests/streams/backends.py, A1 to A4) ---------------------------------------------------
+# -- the autograd engine (tests/support/streams/backends.py, A1 to A4) ---------------------------------------------------
 
 
 def test_a1_backward_runs_after_the_callers_stream_and_a2_accumulation_on_its_nodes_creation_stream():

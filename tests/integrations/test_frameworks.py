@@ -22,9 +22,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.multiprocess import run_ranks
+from tests.support.multiprocess import run_ranks
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "frameworks.md"
 FRAMEWORKS = ("lightning", "fabric", "pytorch_lightning", "accelerate", "transformers")
 PACKAGES = {"fabric": "lightning"}  # the package each framework's scenarios import

@@ -1,6 +1,6 @@
 """overlapddp.integrations without spawning ranks: each adapter's decisions, in one test process.
 
-``tests/test_frameworks.py`` and ``tests/test_ray.py`` show each framework bit-equal to its DDP on two
+``tests/integrations/test_frameworks.py`` and ``tests/integrations/test_ray.py`` show each framework bit-equal to its DDP on two
 ranks; they cost a spawn and the framework's start-up. These check, on a one-rank gloo group, the
 choices each adapter makes (when it wraps, with which arguments, what it refuses and how it
 names the problem), with the framework's objects replaced where only their answers matter.

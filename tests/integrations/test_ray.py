@@ -1,6 +1,6 @@
 """overlapddp.integrations.ray: Ray Train's prepare_model with OverlapDDP, bit-equal to Ray's own DDP.
 
-One Ray cluster for the module, two nodes on this machine (``tests/ray_cluster.py``), one CPU each,
+One Ray cluster for the module, two nodes on this machine (``tests/support/ray_cluster.py``), one CPU each,
 and one ``TorchTrainer`` run of two gloo workers, one per node. The training function builds the
 same network twice, once with Ray's ``prepare_model`` (DDP) and once with ours, trains both on the
 same rank-dependent batches with gradient accumulation through ``no_sync``, and writes both models'
@@ -26,9 +26,9 @@ import pytest
 import torch
 from torch import nn
 
-from tests.ray_cluster import HEAD_IP, SECOND_IP, RayCluster
+from tests.support.ray_cluster import HEAD_IP, SECOND_IP, RayCluster
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 STEPS, ACCUMULATE, FAIL_AT = 4, 2, 2  # optimizer steps, micro-batches per step, the checkpoint resumed from
 KWARGS = {"bucket_cap_mb": 0.001}  # several buckets
 # Ray Train's controller polls the workers every 2 s and gives a worker group 60 s to start; polled

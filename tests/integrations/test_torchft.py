@@ -1,6 +1,6 @@
 """OverlapDDP on torchft: replicas killed, restarted and hung under a real lighthouse, against torchft's DDP.
 
-One run of three replica processes (see tests/torchft_replicas.py) serves every multi-process check,
+One run of three replica processes (see tests/support/torchft_replicas.py) serves every multi-process check,
 with the Manager's default asynchronous quorum and with a synchronous one: replica 2 is killed in the
 backward of step KILL and restarted, rejoining at step REJOIN after recovering live from a peer;
 replica 1 hangs in the backward of step HANG and is dropped. The parameters at the end must equal,
@@ -26,8 +26,8 @@ pytest.importorskip("torchft")
 
 from torchft.coordination import LighthouseServer  # noqa: E402
 
-from tests import torchft_replicas as replicas  # noqa: E402
-from tests.multiprocess import run_ranks, scaled_timeout  # noqa: E402
+from tests.support import torchft_replicas as replicas  # noqa: E402
+from tests.support.multiprocess import run_ranks, scaled_timeout  # noqa: E402
 
 KILL, REJOIN, HANG = 2, 4, 6
 PLAN = replicas.Plan(replicas=3, faults={KILL: (2, "kill"), HANG: (1, "hang")}, rejoin=REJOIN)
@@ -315,7 +315,7 @@ def _refusal_check(lone_replica: Any) -> None:
 
 def test_the_docs_show_the_one_line_usage() -> None:
     usage = "from overlapddp.integrations.torchft import DistributedDataParallel"
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     for page in (root / "README.md", root / "docs" / "frameworks.md"):
         assert usage in page.read_text(), f"{page} no longer shows {usage}"
     frameworks = (root / "docs" / "frameworks.md").read_text()

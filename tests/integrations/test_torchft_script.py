@@ -1,4 +1,4 @@
-"""torchft's training script with one import swapped: tests/torchft_train_ddp.py run as written
+"""torchft's training script with one import swapped: tests/support/torchft_train_ddp.py run as written
 (torchft's DDP) and with ``from torchft import DistributedDataParallel`` replaced by overlapddp's,
 two replica groups each, a real lighthouse per job, the Manager's default asynchronous quorum.
 
@@ -29,9 +29,9 @@ pytest.importorskip("torchft")
 
 from torchft.coordination import LighthouseServer  # noqa: E402
 
-from tests.multiprocess import scaled_timeout  # noqa: E402
+from tests.support.multiprocess import scaled_timeout  # noqa: E402
 
-SCRIPT = Path(__file__).resolve().parent / "torchft_train_ddp.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "support" / "torchft_train_ddp.py"
 THEIRS = "from torchft import DistributedDataParallel\n"
 OURS = "from overlapddp.integrations.torchft import DistributedDataParallel\n"
 REPLICAS, STEPS, KILL = 2, 8, 4

@@ -1,6 +1,6 @@
 """The torchft wrapper's own logic in this process, with a stand-in Manager: what each bucket sends
 through the manager and in which dtype, what comes back, when buckets launch and complete, the bucket
-layout, the completion thread's end, and every refusal. (tests/test_torchft.py runs real replicas.)"""
+layout, the completion thread's end, and every refusal. (tests/integrations/test_torchft.py runs real replicas.)"""
 
 from __future__ import annotations
 
@@ -312,7 +312,7 @@ _EXIT_SCRIPT = """
 import atexit, os, threading
 atexit.register(lambda: any(t.name == "overlapddp-torchft-completion" for t in threading.enumerate()) and os._exit(3))
 import torch
-from tests.test_torchft_unit import StandInManager, _net
+from tests.integrations.test_torchft_unit import StandInManager, _net
 from overlapddp.integrations.torchft import DistributedDataParallel
 model = DistributedDataParallel(StandInManager(delay_s=0.3), _net(), bucket_cap_mb=1e-6)
 model(torch.randn(2, 6)).sum().backward()
@@ -323,7 +323,7 @@ model._manager_reduction.launch(torch.zeros(3))  # a bucket still in flight at e
 def test_the_completion_thread_is_joined_before_the_interpreter_is_torn_down() -> None:
     """[Note: a clean exit]: stopped from atexit and joined once the bucket still in flight is
     complete; and the process ends (the thread never keeps it alive)."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], cwd=root, timeout=120, capture_output=True, text=True)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
 

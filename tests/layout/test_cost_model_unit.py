@@ -30,7 +30,7 @@ from overlapddp.layout.cost_model import (
     tuned_plan,
 )
 from overlapddp.layout.plan import BucketPlan
-from tests.partitions import all_partitions
+from tests.support.partitions import all_partitions
 
 
 def _grads(sizes: list[int]) -> list[torch.Tensor]:

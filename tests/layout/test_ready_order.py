@@ -12,7 +12,7 @@ import functools
 
 import pytest
 
-from tests.parity import Outcome, Scenario, outcomes_by_scenario
+from tests.support.parity import Outcome, Scenario, outcomes_by_scenario
 
 TINY = 0.001  # ~1 KiB caps: one bucket per layer after the rebuild
 SCENARIOS = [Scenario("rank_ordered", "sgd", TINY), Scenario("rank_ordered", "adam", None)]

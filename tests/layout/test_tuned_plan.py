@@ -32,9 +32,9 @@ from overlapddp.layout.cost_model import (
     tuned_plan,
 )
 from overlapddp.layout.plan import BucketPlan, explicit_plan
-from tests import models
-from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
-from tests.partitions import all_partitions
+from tests.support import models
+from tests.support.multiprocess import SLOW_TIMEOUT_S, run_ranks
+from tests.support.partitions import all_partitions
 
 TUNED_FROM = 1 + tuner.CALIBRATION_ITERATIONS  # the first step with a selected candidate (the model's plan)
 # Step 0: one bucket; from 1: DDP's rebuilt layout, measured; from TUNED_FROM: each candidate in turn;

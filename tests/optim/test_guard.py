@@ -9,7 +9,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
-from tests import models
+from tests.support import models
 
 
 def _error_of(action) -> str:
@@ -141,7 +141,7 @@ def _guard_checks(rank: int, world_size: int) -> dict[str, object]:
 
 @functools.cache
 def facts() -> list[dict[str, object]]:
-    from tests.multiprocess import run_ranks
+    from tests.support.multiprocess import run_ranks
 
     return run_ranks(2, _guard_checks)
 

@@ -9,8 +9,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
-from tests import models
-from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
+from tests.support import models
+from tests.support.multiprocess import SLOW_TIMEOUT_S, run_ranks
 
 OPTIMIZERS = {
     "sgd_momentum_wd_nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-2, nesterov=True),

@@ -1,6 +1,6 @@
 """Optimizer overlap on a one-rank group in the test process: bit-equal to DDP then ``step()`` with
 clipping and loss scaling, and every refusal, without a spawn (the 2- and 3-rank comparisons are in
-tests/test_optimizer_overlap.py, whose comparison this reuses)."""
+tests/optim/test_optimizer_overlap.py, whose comparison this reuses)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import torch
 
 from overlapddp import OverlapDDP
 from overlapddp.optim import overlap as optimizer_overlap
-from tests import models, test_optimizer_overlap
-from tests.test_optimizer_overlap import (
+from overlapddp.optim import takeover
+from tests.optim import test_optimizer_overlap
+from tests.optim.test_optimizer_overlap import (
     _compare,
     _overlap_with_an_ignored_parameter,
     _split_optimizers_with_an_ignored_parameter,
 )
+from tests.support import models
 
 
 def _wrapped() -> OverlapDDP:
@@ -243,3 +245,13 @@ def test_a_grad_scaler_not_given_to_attach_raises_at_its_step(one_rank: None) ->
     other.attach_optimizer(other_opt, overlap=True)
     disabled.scale(models.loss_of(other(inputs), target)).backward()
     disabled.step(other_opt)
+
+
+def test_only_a_declaration_of_true_in_the_class_body_counts() -> None:
+    class SaysOne(torch.optim.SGD):
+        per_parameter_update = 1  # truthy, but no declaration
+
+    class SaysTwo(torch.optim.SGD):
+        per_parameter_update = 2
+
+    assert not takeover.is_per_parameter(SaysOne) and not takeover.is_per_parameter(SaysTwo)

@@ -1,5 +1,5 @@
 """On CUDA the question is the consuming stream's, not the host's: checked on the suite's CPU model of
-streams and events (``tests/streams/sim.py``), whose vector clocks are the detector's own.
+streams and events (``tests/support/streams/sim.py``), whose vector clocks are the detector's own.
 
 The collectives are real (a one-rank gloo group); the model says which stream is current, which
 tensors are device memory (all of them here) and how streams and events order each other. A
@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from overlapddp.sanitize import READ, WRITE, detect
 from overlapddp.sanitize.clocks import StreamClocks
-from tests.streams.sim import DEVICE, Sim, SimEvent
+from tests.support.streams.sim import DEVICE, Sim, SimEvent
 
 
 class SimStreams:

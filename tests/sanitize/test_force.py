@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
 from tests.sanitize import zoo
+from tests.support.multiprocess import SLOW_TIMEOUT_S, run_ranks
 
 CLEAN = ["manual_waits", "ddp_plain", "ddp_allreduce_hook", "ddp_powersgd", "overlap_default", "overlap_optimizer",
          "overlap_sharded", "overlap_powersgd", "zero"]

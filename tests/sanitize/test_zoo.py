@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from overlapddp.sanitize import DROPPED, NEVER, READ, WRITE
-from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
 from tests.sanitize import zoo
+from tests.support.multiprocess import SLOW_TIMEOUT_S, run_ranks
 
 # loop: (kind, the tensor as named, (marker of the launch line), (marker of the access line) or None)
 EXPECTED: dict[str, tuple[str, str, tuple[str, str], tuple[str, str] | None]] = {

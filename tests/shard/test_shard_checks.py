@@ -8,7 +8,7 @@ import torch
 from overlapddp import OverlapDDP
 from overlapddp.optim.takeover import PER_PARAMETER, is_per_parameter
 from overlapddp.shard.checks import ShardRequest, check_shardable
-from tests import models
+from tests.support import models
 
 
 class _AdamSubclass(torch.optim.Adam):

@@ -29,8 +29,8 @@ from torch.nn.parallel.distributed import _MixedPrecision
 from overlapddp import OverlapDDP
 from overlapddp.sharded_checkpoint import load_sharded, save_sharded
 from overlapddp.testing import delay_parameter_gathers
-from tests import models
-from tests.multiprocess import SLOW_TIMEOUT_S, run_ranks
+from tests.support import models
+from tests.support.multiprocess import SLOW_TIMEOUT_S, run_ranks
 
 STEPS = 4  # DDP's bucket rebuild comes after the first
 DELAY_S = 0.05

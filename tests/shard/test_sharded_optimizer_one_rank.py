@@ -11,7 +11,7 @@ import torch.distributed as dist
 from overlapddp import OverlapDDP
 from overlapddp.shard.checks import ShardRequest
 from overlapddp.shard.optimizer import ShardedOptimizer
-from tests import models
+from tests.support import models
 
 
 def _as_rank_0_of_2(model: OverlapDDP, optimizer: torch.optim.Optimizer) -> tuple[ShardedOptimizer, list]:

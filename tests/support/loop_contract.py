@@ -36,7 +36,7 @@ from overlapddp import OverlapDDP
 from overlapddp.bucket import reduction
 from overlapddp.layout import tuner
 from overlapddp.optim import overlap
-from tests import hooks
+from tests.support import hooks
 
 WORLD_SIZES = (2, 3)
 STEPS = 4
@@ -79,7 +79,7 @@ def module_of(model: Any) -> nn.Module:
 
 class TokenCounts:
     """count_tokens on both sides: the candidate counts each micro-batch; stock DDP's hook divides by
-    the global count of the micro-batches since its last synchronized forward (tests/hooks.py)."""
+    the global count of the micro-batches since its last synchronized forward (tests/support/hooks.py)."""
 
     def __init__(self) -> None:
         self.state = {"batched": False, "total": 0.0}  # divide_by_total_hook's state
@@ -491,7 +491,7 @@ class ByHand(nn.Module):
     runs ``mixed_precision`` only on CUDA): buffers broadcast from rank 0 at each forward after a
     synchronized one; at the end of a synchronized backward, bucket by bucket in the next layout of
     ``layouts`` (the last one repeats), each gradient times ``1 / world_size`` (DDP's ``mul_out``)
-    SUM-all-reduced. With ``precision``, DDP's casts instead (as tests/precision_reference.py): each
+    SUM-all-reduced. With ``precision``, DDP's casts instead (as tests/support/precision_reference.py): each
     forward runs on ``param_dtype`` copies of the parameters (and their accumulated gradients) and
     inputs; each bucket is cast to ``reduce_dtype``, summed and divided by the world size in it."""
 

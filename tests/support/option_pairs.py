@@ -6,7 +6,7 @@ trains its reference and OverlapDDP side by side (the same model, batches, optim
 row has one, comm hook) for ``steps_of(row)`` SGD-momentum steps on rank-dependent batches and
 compares every gradient and parameter with ``torch.equal`` after every step. The reference is stock
 DDP with the same options, except under ``mixed_precision``, which stock DDP runs only on CUDA: there
-it is DDP's casts written out by hand (tests/precision_reference.py). A row OverlapDDP refuses must
+it is DDP's casts written out by hand (tests/support/precision_reference.py). A row OverlapDDP refuses must
 raise a clear error when it is built; one stock DDP refuses must be refused by both.
 """
 
@@ -24,9 +24,9 @@ from torch.nn.parallel.distributed import _MixedPrecision
 
 from overlapddp import OverlapDDP
 from overlapddp.layout import tuner
-from tests import hooks
-from tests.parity import first_difference, first_grad_difference
-from tests.precision_reference import HandWrittenCasts
+from tests.support import hooks
+from tests.support.parity import first_difference, first_grad_difference
+from tests.support.precision_reference import HandWrittenCasts
 
 STEPS = 3
 # bucket_plan="tuned" tries every candidate layout and adopts one (a step later with static_graph).
@@ -42,12 +42,12 @@ FACTORS: dict[str, list[Any]] = {
     "static_graph": [False, True],
     "gradient_as_bucket_view": [False, True],
     "batched_grad_copy": [False, True],
-    "hook": [None, "fp16_compress", "powerSGD/sync"],  # names in tests/hooks.py
+    "hook": [None, "fp16_compress", "powerSGD/sync"],  # names in tests/support/hooks.py
     "delay_all_reduce": [False, True],  # delay_all_reduce_named_params=[mid.weight], hooked on first.weight
     "optimizer": ["plain", "guard", "overlap"],  # OverlapDDP.attach_optimizer(...), overlap=True
     "compile": [False, True],  # the module under torch.compile(backend="aot_eager") in both wrappers
     # OverlapDDP.count_tokens per micro-batch, sum losses, batches of 1 to 3 rows by rank and step;
-    # stock DDP divides each bucket by the global count in a hook (tests/hooks.py: divide_by_total_hook).
+    # stock DDP divides each bucket by the global count in a hook (tests/support/hooks.py: divide_by_total_hook).
     "count_tokens": [False, True],
     "mixed_precision": [False, True],  # PRECISION: bfloat16 parameters, float32 reduction
     "bucket_plan": ["ddp", "tuned"],  # tuned: every candidate layout in turn, then the fastest

@@ -17,8 +17,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from overlapddp import OverlapDDP
 from overlapddp.torch_compat import ddp_accepts
-from tests import faults, hooks, models
-from tests.multiprocess import DEFAULT_TIMEOUT_S, run_ranks
+from tests.support import faults, hooks, models
+from tests.support.multiprocess import DEFAULT_TIMEOUT_S, run_ranks
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Scenario:
     accumulate: int = 1
     skip_sync_by: str = "no_sync"
     ddp_kwargs: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
-    # A communication hook from ``tests.hooks.HOOKS``, registered on both wrappers.
+    # A communication hook from ``tests.support.hooks.HOOKS``, registered on both wrappers.
     hook: str | None = None
     # ``optimizer.zero_grad(set_to_none=...)``: False keeps gradient tensors (and bucket views) alive.
     set_to_none: bool = True

@@ -40,11 +40,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.multiprocess import scaled_timeout
+from tests.support.multiprocess import scaled_timeout
 
 STEPS = 8
 LR = 0.05
-# Both stretched by OVERLAPDDP_TEST_TIMEOUT_SCALE (tests/multiprocess.py) on a slow machine.
+# Both stretched by OVERLAPDDP_TEST_TIMEOUT_SCALE (tests/support/multiprocess.py) on a slow machine.
 TIMEOUT_S = scaled_timeout(5.0)  # collectives, should_commit, checkpoint transfers: a hung replica fails a step
 JOIN_TIMEOUT_MS = int(scaled_timeout(3000))  # the lighthouse's wait for a heartbeating replica that does not join
 HEARTBEAT_TIMEOUT_MS = 1500  # a replica without heartbeats for this long is dead
@@ -210,7 +210,7 @@ def replica_main(replica: int, lighthouses: dict[str, str], plan_json: str, scra
         for variant in variants:
             variant.shutdown()
     sys.stdout.flush()
-    os._exit(0)  # no process-group destructors on gloo's threads (see tests/multiprocess.py)
+    os._exit(0)  # no process-group destructors on gloo's threads (see tests/support/multiprocess.py)
 
 
 def _one_committed_step(variant: Variant, replica: int, plan: Plan, out: Path, restarted: bool,

@@ -1,13 +1,13 @@
 """A torchft training script in the shape of torchft's ``train_ddp.py``: its Manager arguments, its
 ``Optimizer`` wrapper, its loop (``zero_grad`` starts the quorum, ``step`` commits only if
 ``should_commit()``), on a small conv net and synthetic data. Written here, with torchft's own DDP;
-tests/test_torchft_script.py runs it as is and with the one import line below swapped for
+tests/integrations/test_torchft_script.py runs it as is and with the one import line below swapped for
 ``from overlapddp.integrations.torchft import DistributedDataParallel``.
 
 Launch (one process per replica group, as torchrun would start it; a lighthouse must be running)::
 
     TORCHFT_LIGHTHOUSE=http://127.0.0.1:29510 REPLICA_GROUP_ID=0 NUM_REPLICA_GROUPS=2 \\
-    MASTER_ADDR=127.0.0.1 MASTER_PORT=29600 RANK=0 WORLD_SIZE=1 python tests/torchft_train_ddp.py
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=29600 RANK=0 WORLD_SIZE=1 python tests/support/torchft_train_ddp.py
 
 Beyond torchft's environment: ``STEPS`` (train until this many committed steps, then exit),
 ``OUT`` (a folder: the final state and a log of attempts are written there), ``PG_TIMEOUT_S``
@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchft import DistributedSampler, Manager, Optimizer, ProcessGroupGloo
 
 # isort: split
-# The one line a torchft user swaps for overlapddp's (tests/test_torchft_script.py does):
+# The one line a torchft user swaps for overlapddp's (tests/integrations/test_torchft_script.py does):
 from torchft import DistributedDataParallel
 
 

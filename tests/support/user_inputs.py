@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from overlapddp import OverlapDDP
-from tests.parity import ddp_layout, first_difference, first_grad_difference
+from tests.support.parity import ddp_layout, first_difference, first_grad_difference
 
 STEPS = 3
 VOCAB, WIDTH, SEQ = 12, 8, 5

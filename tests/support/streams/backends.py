@@ -98,7 +98,17 @@ from torch.futures import Future
 from torch.utils._python_dispatch import _disable_current_modes
 
 from overlapddp import device_streams, torch_compat
-from tests.streams.sim import DEVICE, HOST, Accesses, HostReads, Sim, SimEvent, SimStream, _tensors, package_site
+from tests.support.streams.sim import (
+    DEVICE,
+    HOST,
+    Accesses,
+    HostReads,
+    Sim,
+    SimEvent,
+    SimStream,
+    _tensors,
+    package_site,
+)
 
 
 class SimFuture(Future):

@@ -15,7 +15,7 @@ import sys
 import threading
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 WHOLE_FILES = {"overlapddp/device_streams.py"}
 WHOLE_CLASSES = {("overlapddp/fence.py", "CudaFence")}
 # The race detector is not a training path: its CUDA stream model runs only on a GPU (tests/gpu) and

@@ -9,7 +9,7 @@ what the library promises to order.
 
 Run one by hand::
 
-    PYTHONPATH=$PWD python3 -m tests.streams.scenarios "default all-reduce"
+    PYTHONPATH=$PWD python3 -m tests.support.streams.scenarios "default all-reduce"
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from overlapddp import OverlapDDP
 from overlapddp.clock import CudaClock
 from overlapddp.device_streams import CudaKit
 from overlapddp.fence import CudaFence
-from tests.streams.backends import TorchftWork, simulate
-from tests.streams.sim import Sim
+from tests.support.streams.backends import TorchftWork, simulate
+from tests.support.streams.sim import Sim
 
 CPU = torch.device("cpu")
 BUCKET_MB = 0.0002  # about 200 bytes: a bucket or two per layer of the small model

@@ -60,7 +60,7 @@ HOST_SYNCS = {"aten._local_scalar_dense.default"}
 DEVICE, PINNED, HOST = "device", "pinned", "host"
 PACKAGE = "/overlapddp/"
 KIT = "/overlapddp/device_streams.py"
-MODEL = ("/tests/streams/sim.py", "/tests/streams/backends.py")
+MODEL = ("/tests/support/streams/sim.py", "/tests/support/streams/backends.py")
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -12,8 +12,8 @@ Every call in ``overlapddp/`` (the CUDA kit's own body aside: its callers are th
 - a host read of device memory: ``.item()``, ``.tolist()``, and ``float``/``int``/``bool`` of one
   argument, whose mutant reads without making the host wait.
 
-A new call site is mutated without anyone listing it. The sim (:class:`~tests.streams.sim.Sim`)
-applies a :class:`~tests.streams.sim.Mutant` where the call runs, by its file and lines.
+A new call site is mutated without anyone listing it. The sim (:class:`~tests.support.streams.sim.Sim`)
+applies a :class:`~tests.support.streams.sim.Mutant` where the call runs, by its file and lines.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import importlib
 import pathlib
 from typing import Any, Iterator
 
-from tests.streams.coverage import NOT_TRAINING
-from tests.streams.sim import Mutant
+from tests.support.streams.coverage import NOT_TRAINING
+from tests.support.streams.sim import Mutant
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 WAITS = {"wait_event", "wait_stream", "wait_future", "wait", "synchronize"}
 HOST_READS = {"item", "tolist"}
 HOST_CASTS = {"float", "int", "bool"}
