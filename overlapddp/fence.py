@@ -189,7 +189,7 @@ class Fence:
 
     def consumed(self, bucket: int, consumer: str, written: Sequence[torch.Tensor] = ()) -> None:
         """Edge 4: every reader used the completed result (the copy into ``param.grad``, then an
-        optimizer's update), writing ``written`` (logged only on CPU; completion already ordered it)."""
+        optimizer's update), writing ``written`` (on CUDA those are kept for this stream)."""
         self._record(bucket, "consumed", consumer)
         if self.stamps is not None and bucket >= 0:
             self.stamps.bucket_consumed(bucket)
@@ -248,7 +248,7 @@ class CudaFence(Fence):
         # Event recorded on the producer stream (current when the bucket was filled) after the
         # copy-in; the communication stream waits on it in ``launch``, which then drops it.
         self._produced: dict[int, Any] = {}
-        # Event recorded on the consumer stream after a bucket's copy-out (``consumed``); the next
+        # Event recorded on the consumer stream after a bucket's consumers (``consumed``); the next
         # iteration's producer stream waits on it in ``filling`` before overwriting the buffer.
         self._released: dict[int, Any] = {}
         # Stream that ran the last copy-out (current in ``complete``); a reader on another stream

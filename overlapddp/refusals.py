@@ -88,6 +88,10 @@ REFUSALS: tuple[Refusal, ...] = (
     _refused(F.JOIN, F.DELAYED_ALL_REDUCE, ValueError,
              "join() cannot be used with delay_all_reduce_named_params: a joined rank cannot know where, among "
              "the buckets' collectives, the others start the delayed all-reduce (stock DDP does not shadow it)."),
+    _refused(F.JOIN, F.COUNT_TOKENS, ValueError,
+             "join() cannot be used with count_tokens (rank {rank}): a joined rank shadows the buckets' all-reduces "
+             "but not the token count's, so the ranks' collectives would no longer pair; drop count_tokens or run "
+             "equal numbers of micro-batches per rank."),
     _refused(F.JOIN, F.SHARDED_OPTIMIZER, ValueError,
              "join() cannot be used with a sharded optimizer (attach_optimizer(..., shard=True)): in step() every rank "
              "waits for the broadcasts of the parameters the others own, and a joined rank never sends its own."),
@@ -109,4 +113,12 @@ def refuse_pairs(in_force: Collection[Feature], adding: Feature | None = None, *
         else:
             applies = adding in refusal.pair and refusal.pair - {adding} <= set(in_force)
         if applies:
-            raise refusal.error(refusal.message.format(**known))
+            raise refusal.error(refusal.message.format_map(_Known(known)))
+
+
+class _Known(dict):
+    """What a caller knows for a message; a placeholder it did not fill reads as 'unknown' (a refusal
+    must never fail on its own message)."""
+
+    def __missing__(self, key: str) -> str:
+        return "unknown"

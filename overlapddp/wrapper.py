@@ -323,7 +323,8 @@ class OverlapDDP(nn.Module, Joinable):
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Reduce each bucket with ``hook(state, bucket)``; the stock DDP hooks run unmodified."""
         check_comm_hook(hook, self.process_group)
-        refuse_pairs(self._features(), Feature.COMM_HOOK, hook=getattr(hook, "__qualname__", repr(hook)))
+        refuse_pairs(self._features(), Feature.COMM_HOOK, hook=getattr(hook, "__qualname__", repr(hook)),
+                     rank=self._reducer.rank)
         layout_final_at = self._reducer.layouts.final_iteration if self._reducer.options.tuned_plan else 0
         check_hook_state(state, self._sparse_names, layout_final_at)
         self._reducer.reduction.set_comm_hook(state, hook)
@@ -342,7 +343,7 @@ class OverlapDDP(nn.Module, Joinable):
     def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
         """DDP's built-in ALLREDUCE and FP16_COMPRESS hooks, with their arithmetic."""
         hook = builtin_hook(comm_hook_type)
-        refuse_pairs(self._features(), Feature.COMM_HOOK, hook=hook.__qualname__)
+        refuse_pairs(self._features(), Feature.COMM_HOOK, hook=hook.__qualname__, rank=self._reducer.rank)
         self._reducer.reduction.set_comm_hook(self.process_group, hook)
         self._hook_is_builtin = True
 
@@ -361,6 +362,7 @@ class OverlapDDP(nn.Module, Joinable):
             Feature.COUNT_TOKENS: reduction.tokens is not None,
             Feature.OVERLAPPED_OPTIMIZER: any(isinstance(c, OverlappedOptimizer) for c in reducer.consumers),
             Feature.SHARDED_OPTIMIZER: bool(self._sharded_optimizers),
+            Feature.JOIN: self._join_config.enable,  # once inside model.join() (as the forward reads it)
         }
         return {feature for feature, on in switched.items() if on}
 
@@ -491,7 +493,7 @@ class OverlapDDP(nn.Module, Joinable):
 
     def join_hook(self, **kwargs: Any) -> OverlapJoinHook:
         """The hook ``Join`` runs on a rank that has run out of inputs."""
-        refuse_pairs(self._features(), Feature.JOIN)
+        refuse_pairs(self._features(), Feature.JOIN, rank=self._reducer.rank)
         return OverlapJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     @property

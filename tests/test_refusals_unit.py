@@ -82,3 +82,14 @@ def test_only_a_one_feature_row_refuses_a_feature_already_in_force() -> None:
     refuse_pairs({Feature.OVERLAPPED_OPTIMIZER, Feature.COMM_HOOK}, Feature.OVERLAPPED_OPTIMIZER, **KNOWN)
     with pytest.raises(RuntimeError, match="can only be called once"):
         refuse_pairs({Feature.COMM_HOOK, Feature.SHARDED_OPTIMIZER}, Feature.COMM_HOOK, **KNOWN)
+
+
+def test_join_and_count_tokens_are_refused_in_either_order(one_rank: None) -> None:
+    counted = OverlapDDP(_mlp())
+    counted.count_tokens(3)
+    with pytest.raises(ValueError, match=r"join\(\) cannot be used with count_tokens \(rank 0\)"):
+        counted.join()
+    joined = OverlapDDP(_mlp())
+    with joined.join():
+        with pytest.raises(ValueError, match=r"join\(\) cannot be used with count_tokens \(rank 0\)"):
+            joined.count_tokens(3)

@@ -125,10 +125,12 @@ class BucketPipeline:
                 raise self._failed(error) from error
             shared.write_watch.check(self.index)
             reduced = ReducedBucket(self.index, self.storage, value, write)
-            for consumer in consumers:
-                consumer.take(reduced)
-            written = [p.grad for p in self.storage.params if p.grad is not None]
-            shared.fence.consumed(self.index, ", then ".join(c.name for c in consumers), written)
+            try:
+                for consumer in consumers:
+                    consumer.take(reduced)
+            finally:  # also when a consumer refused: its reads are ordered before the next fill all the same
+                written = [p.grad for p in self.storage.params if p.grad is not None]
+                shared.fence.consumed(self.index, ", then ".join(c.name for c in consumers), written)
 
     def _failed(self, error: Exception) -> RuntimeError:
         """The error for a failed completion: which bucket and rank failed, and (from the progress

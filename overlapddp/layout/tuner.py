@@ -88,11 +88,10 @@ class PlanTuner:
         for i, seconds in zip(marked, read([cast(Stamp, stamps.ready[i]) for i in marked]), strict=True):
             ready[i] = seconds
         launched, finished = read([b.launched for b in launches]), read([b.done for b in launches])
-        worked = [b.bucket for b in launches if b.bucket in stamps.consumed]
-        starts = read([stamps.completed[b] for b in worked])
-        ends = read([stamps.consumed[b] for b in worked])
-        work = [end - start for start, end in zip(starts, ends, strict=True)]
-        work += [0.0] * (len(launches) - len(work))
+        worked = [b.bucket for b in launches if b.bucket in stamps.consumed and b.bucket in stamps.completed]
+        spans = dict(zip(worked, zip(read([stamps.completed[b] for b in worked]),
+                                     read([stamps.consumed[b] for b in worked]), strict=True), strict=True))
+        work = [spans[b.bucket][1] - spans[b.bucket][0] if b.bucket in spans else 0.0 for b in launches]
         first = min((t for t in ready if not math.isnan(t)), default=0.0)
         self._ready.append([t - first for t in ready])
         self._buckets.append([

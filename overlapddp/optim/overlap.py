@@ -61,7 +61,9 @@ class OverlappedOptimizer:
         self.max_grad_norm = max_grad_norm
         self.norm_type = float(norm_type)
         self._update = optimizer.step  # the real step, called per bucket (taken over below)
-        self._reduced = {id(p) for p in reducer.params}  # parameters whose gradients arrive in buckets
+        # Parameters of this backward's buckets taken so far: at the end, the optimizer's others with a
+        # gradient (ignored by the wrapper, or in a bucket skip_all_reduce_unused_params skipped) update.
+        self._taken: set[int] = set()
         # Loss scaling: each bucket is unscaled as soon as it is reduced; the scaler then learns the
         # outcome as if scaler.unscale_(optimizer) had run (None: no scaler, or a disabled one).
         self._unscaler: BucketUnscaler | None = None
@@ -80,7 +82,12 @@ class OverlappedOptimizer:
         # next backward that step() acknowledged the update.
         self._used: list[dict[str, Any]] | None = None
         self._taking = False  # a bucket of the current backward was taken
-        reducer.attach(self)
+        try:
+            reducer.attach(self)
+        except RuntimeError:
+            if self._unscaler is not None:
+                self._unscaler.detach()  # give the scaler its unscale_ back
+            raise
         take_over_step(optimizer, self._step)
         self._zero_grad = optimizer.zero_grad
         optimizer.zero_grad = self._checked_zero_grad  # type: ignore[method-assign]
@@ -105,6 +112,7 @@ class OverlappedOptimizer:
             self._taking = True
             self._check_stepped("the next backward")
         params = bucket.params
+        self._taken.update(id(p) for p in params)
         if self._unscaler is not None:
             self._unscaler.unscale(params)
         if self.max_grad_norm is not None:
@@ -134,6 +142,7 @@ class OverlappedOptimizer:
         """The iteration was dropped: the norms measured for it go with it."""
         self._norms = {}
         self._taking = False
+        self._taken = set()
 
     def all_taken(self) -> None:
         """After the last bucket: hand the unscale over to the scaler, clip exactly as ``clip_grad_norm_``
@@ -146,13 +155,14 @@ class OverlappedOptimizer:
         if self._updates_wait_for_all and not found_inf:
             self._update()
         elif not self._updates_wait_for_all:
-            # The optimizer's parameters that no bucket carries (ignored by the wrapper) update last.
-            outside = [p for p in self._params() if id(p) not in self._reduced and p.grad is not None]
+            # The optimizer's parameters no bucket brought (ignored, or skipped as unused) update last.
+            outside = [p for p in self._params() if id(p) not in self._taken and p.grad is not None]
             if outside:
                 self._update_bucket(outside)
+        self._taken = set()  # (whichever branch ran)
         if not found_inf:  # (the scaler skips step() then: nothing is owed)
             self._used = [_settings(group) for group in self.optimizer.param_groups]
-        self._versions = [(p.grad, p.grad._version) for p in self._reducer.params if p.grad is not None]
+        self._versions = [(p.grad, p.grad._version) for p in self._params() if p.grad is not None]
 
     def _clip(self) -> None:
         """``clip_grad_norm_`` over the optimizer's parameters, with the bucket norms measured so far."""
@@ -179,25 +189,31 @@ class OverlappedOptimizer:
                 f"An overlapped optimizer cannot re-evaluate a closure or take step() arguments (got {given}): "
                 "its update already ran during backward."
             )
+        try:  # each refusal is said once: the step counts as taken either way
+            self._check_versions()
+            self._check_scaler(_stepping_scaler())
+            if self._reducer.reductions == self._stepped_at:
+                raise RuntimeError(
+                    f"optimizer.step() on rank {self._reducer.rank}: with overlap=True the update runs during a "
+                    "synchronized backward, and none has run since the last step (a no_sync backward, or no "
+                    "backward at all)."
+                )
+            self._check_settings_unchanged()
+        finally:
+            self._stepped_at = self._reducer.reductions
+            self._used = None
+
+    def _check_versions(self) -> None:
+        """A gradient changed in place after the updates used it (clip_grad_norm_, an unscale) cannot be honored."""
         changed = [i for i, (grad, version) in enumerate(self._versions) if grad._version != version]
+        self._versions = []
         if changed:
-            self._versions = []
             raise RuntimeError(
                 f"Gradients were changed in place after the overlapped updates had already run on rank "
                 f"{self._reducer.rank} (e.g. clip_grad_norm_ or GradScaler.unscale_); that change cannot be "
                 "honored. Pass max_grad_norm to attach_optimizer(..., overlap=True) to clip, or attach "
                 "without overlap."
             )
-        self._check_scaler(_stepping_scaler())
-        if self._reducer.reductions == self._stepped_at:
-            raise RuntimeError(
-                f"optimizer.step() on rank {self._reducer.rank}: with overlap=True the update runs during a "
-                "synchronized backward, and none has run since the last step (a no_sync backward, or no "
-                "backward at all)."
-            )
-        self._check_settings_unchanged()
-        self._stepped_at = self._reducer.reductions
-        self._used = None
 
     def _check_scaler(self, scaler: object) -> None:
         """A GradScaler not given to attach_optimizer unscaled gradients the updates had already used
@@ -246,18 +262,15 @@ def _stepping_scaler() -> object:
     """The enabled GradScaler whose ``step()`` is calling ``optimizer.step()`` now, if any (found by
     its frame: the scaler passes nothing to the step that says it unscaled)."""
     frame = inspect.currentframe()
-    for _ in range(_SCALER_FRAMES):
-        if frame is None:
-            return None
+    while frame is not None:  # once per step: the whole stack (wrappers of step may stand between)
         if frame.f_code is _SCALER_STEP:
             return frame.f_locals.get("self")
         frame = frame.f_back
     return None
 
 
-# GradScaler.step -> _maybe_opt_step (only when enabled) -> optimizer.step (taken over) -> _step.
+# GradScaler.step -> _maybe_opt_step (only when enabled) -> [wrappers of step] -> the taken-over step.
 _SCALER_STEP = torch.amp.grad_scaler.GradScaler._maybe_opt_step.__code__
-_SCALER_FRAMES = 5
 
 
 def _settings(group: dict[str, Any]) -> dict[str, Any]:

@@ -255,3 +255,71 @@ def test_only_a_declaration_of_true_in_the_class_body_counts() -> None:
         per_parameter_update = 2
 
     assert not takeover.is_per_parameter(SaysOne) and not takeover.is_per_parameter(SaysTwo)
+
+
+def test_another_overlapped_optimizers_clipping_is_not_taken_for_a_change_to_this_ones_gradients(one_rank: None) -> None:
+    model = _wrapped()
+    params = list(model.parameters())
+    first, second = torch.optim.SGD(params[:2], lr=0.1), torch.optim.AdamW(params[2:], lr=1e-3)
+    model.attach_optimizer(first, overlap=True)
+    model.attach_optimizer(second, overlap=True, max_grad_norm=1e-3)  # clips only its own gradients
+    _backward(model, 0)
+    first.step()
+    second.step()
+
+
+def test_a_foreign_scaler_is_found_behind_wrappers_of_step(one_rank: None) -> None:
+    model = _wrapped()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.attach_optimizer(opt, overlap=True)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # wraps step once
+    taken = opt.step
+    opt.step = lambda *args, **kwargs: taken(*args, **kwargs)  # type: ignore[method-assign]  # and once more
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    inputs, target = models.batch("mlp", 0, 0)
+    scaler.scale(models.loss_of(model(inputs), target)).backward()
+    with pytest.raises(RuntimeError, match=r"GradScaler.step\(optimizer\) on rank 0"):
+        scaler.step(opt)
+    assert scheduler.last_epoch == 0
+
+
+def test_a_refused_step_is_said_once_the_next_zero_grad_goes_on(one_rank: None) -> None:
+    model = _wrapped()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.attach_optimizer(opt, overlap=True)
+    _backward(model, 0)
+    opt.param_groups[0]["lr"] = 0.05
+    with pytest.raises(RuntimeError, match="param_groups"):
+        opt.step()
+    opt.zero_grad()  # the refusal was the step: nothing else is owed
+    _backward(model, 1)
+    opt.step()
+
+
+def test_parameters_in_a_skipped_unused_bucket_still_update_as_after_ddp(one_rank: None) -> None:
+    """skip_all_reduce_unused_params passes a bucket of unused parameters over: their zero gradients
+    never reach the consumers, but weight decay and momentum still move them in DDP's step()."""
+
+    class WithUnused(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.used, self.unused = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    finals = []
+    for overlap in (False, True):
+        model = OverlapDDP(WithUnused(), static_graph=True, skip_all_reduce_unused_params=True, bucket_cap_mb=1e-5)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+        model.attach_optimizer(opt, overlap=overlap)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        for step in range(3):
+            model(torch.full((4, 3), float(step + 1))).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        finals.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*finals, strict=True))
+    assert not torch.equal(finals[1][2], WithUnused().unused.weight), "weight decay moved the unused layer"
