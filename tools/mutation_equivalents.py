@@ -1142,4 +1142,9 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "for group, params in zip(groups, everything, strict=False):",
         "(both zips of narrowed) everything is built from groups, one list per group: their lengths are equal",
     ),
+    Equivalent(
+        "overlapddp/clock.py",
+        "@dataclass(frozen=True) => @dataclass(frozen=False)",
+        "a LaunchStamps is made by BucketStamps.launch and only read by the tuner: nothing assigns to one",
+    ),
 )

@@ -80,7 +80,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
         "tests/bucket/test_comm_hooks.py::test_bad_hook_result_raises_naming_hook_and_bucket_on_every_rank",
     ),
     "overlapddp/layout/cost_model.py": ("tests/layout/test_cost_model_unit.py", "tests/layout/test_plan_selection.py", "tests/layout/test_tuned_plan.py"),
-    "overlapddp/clock.py": ("tests/test_clock.py", "tests/layout/test_plan_selection.py", "tests/layout/test_tuned_plan.py"),
+    "overlapddp/clock.py": ("tests/test_clock.py", "tests/layout/test_tuner_unit.py", "tests/layout/test_plan_selection.py", "tests/layout/test_tuned_plan.py"),
     "overlapddp/layout/selection.py": ("tests/layout/test_plan_selection.py", "tests/layout/test_tuned_plan.py"),
     "overlapddp/layout/tuner.py": ("tests/layout/test_tuner_unit.py", "tests/layout/test_plan_selection.py", "tests/layout/test_tuned_plan.py"),
     "overlapddp/shard/ownership.py": ("tests/shard/test_shard_ownership.py", "tests/shard/test_sharded_optimizer_one_rank.py"),
