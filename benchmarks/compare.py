@@ -90,16 +90,16 @@ TORCHVISION_KWARGS: dict[str, dict[str, bool]] = {
 class TinyLM(nn.Module):
     """Causal transformer LM: one large embedding and head around many mid-sized tensors."""
 
-    def __init__(self, layers: int = LM_LAYERS) -> None:
+    def __init__(self, layers: int = LM_LAYERS, d_model: int = LM_D_MODEL, heads: int = LM_HEADS) -> None:
         super().__init__()
-        self.embed = nn.Embedding(LM_VOCAB, LM_D_MODEL)
+        self.embed = nn.Embedding(LM_VOCAB, d_model)
         # Separate layer instances (not TransformerEncoder's deep copies) so
         # that the layers start from different weights, as in a real model.
         self.layers = nn.ModuleList(
-            nn.TransformerEncoderLayer(LM_D_MODEL, LM_HEADS, 4 * LM_D_MODEL, batch_first=True)
+            nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, batch_first=True)
             for _ in range(layers)
         )
-        self.head = nn.Linear(LM_D_MODEL, LM_VOCAB)
+        self.head = nn.Linear(d_model, LM_VOCAB)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # Built per call rather than registered as a buffer, because DDP would

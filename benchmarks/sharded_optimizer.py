@@ -87,6 +87,7 @@ from benchmarks.compare import (  # noqa: E402
     LM_LAYERS,
     LM_VOCAB,
     RankContext,
+    TinyLM,
     Variant,
     add_run_arguments,
     aligned,
@@ -119,24 +120,11 @@ MUON_LM_LAYERS, MUON_LM_WIDTH, MUON_LM_HEADS, MUON_LM_SEQ = 4, 256, 4, 64
 MUON_STEP_TARGET = 0.90  # ours' step at most this fraction of DDP's with Muon
 
 
-class MuonLM(nn.Module):
-    """A causal transformer LM whose hidden layers' 2-D weights Muon steps (the rest AdamW)."""
+class MuonLM(TinyLM):
+    """compare.py's causal LM at the Muon workload's size (its hidden layers' 2-D weights Muon steps)."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(LM_VOCAB, MUON_LM_WIDTH)
-        self.layers = nn.ModuleList(
-            nn.TransformerEncoderLayer(MUON_LM_WIDTH, MUON_LM_HEADS, 4 * MUON_LM_WIDTH, batch_first=True)
-            for _ in range(MUON_LM_LAYERS)
-        )
-        self.head = nn.Linear(MUON_LM_WIDTH, LM_VOCAB)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        mask = nn.Transformer.generate_square_subsequent_mask(tokens.size(1), device=tokens.device)
-        hidden = self.embed(tokens)
-        for layer in self.layers:
-            hidden = layer(hidden, src_mask=mask, is_causal=True)
-        return self.head(hidden)
+        super().__init__(MUON_LM_LAYERS, MUON_LM_WIDTH, MUON_LM_HEADS)
 
 
 def split_for_muon(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
