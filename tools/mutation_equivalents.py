@@ -1147,4 +1147,17 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "@dataclass(frozen=True) => @dataclass(frozen=False)",
         "a LaunchStamps is made by BucketStamps.launch and only read by the tuner: nothing assigns to one",
     ),
+    Equivalent(
+        "overlapddp/attachment.py",
+        "@dataclass(frozen=True) => @dataclass(frozen=False)",
+        "an AttachTo or Switches is made by attach_optimizer and only read by attach: nothing assigns to or "
+        "hashes one (an AttachTo holds a dict, a set and a list, so it cannot be hashed either way)",
+    ),
+    Equivalent(
+        "overlapddp/attachment.py",
+        '"allow_unsynced": switches.allow_unsynced, "scaler": switches.scaler is not None, => '
+        '"allow_unsynced": switches.allow_unsynced, "scaler": switches.scaler is None,',
+        "check_shardable reads a request's switches only under REFUSED_SWITCHES' names (overlap, max_grad_norm, "
+        "allow_unsynced), and nothing else reads them: the 'scaler' entry is never read (a sharded step takes a scaler)",
+    ),
 )
