@@ -13,9 +13,11 @@ Edges, per bucket and iteration, in the order they must happen:
    records this edge when the consumer waited, with the time the collective actually finished.
 4. *consumed*: a reader used the result (the copy into ``param.grad``, then the optimizer).
 
-:meth:`Fence.complete` is the only way to obtain a bucket's reduced tensor, so "no read before
-completion" holds by construction. A :class:`FenceLog` (a debug option) records every edge so tests
-can check the order without a GPU. The CUDA design (who records, who waits) is in docs/cuda.md.
+:meth:`Fence.launch` is the only way to start a collective (it runs the producer's fill between edges
+0 and 1) and :meth:`Fence.complete` the only way to obtain a bucket's reduced tensor, so "no launch
+before the fill" and "no read before completion" hold by construction. A :class:`FenceLog` (a debug
+option) records every edge so tests can check the order without a GPU. The CUDA design (who records,
+who waits) is in docs/cuda.md.
 """
 
 from __future__ import annotations
@@ -131,23 +133,29 @@ class Fence:
         if self.stamps is not None and param is not None:
             self.stamps.gradient_ready(param)
 
-    def filling(self, bucket: int) -> None:
+    def launch(self, bucket: int, buffer: torch.Tensor, fill: Callable[[], None], start: Callable[[], Future]) -> None:
+        """Edges 0 to 2, the only way to start a collective: ``fill`` writes every local gradient into
+        ``buffer`` once nothing reads it any more (edge 0), the buffer is produced (edge 1), then
+        ``start`` runs the collective after everything the producer did (edge 2)."""
+        if bucket in self._in_flight:
+            raise RuntimeError(f"Bucket {bucket} was launched twice without being completed in between.")
+        self._filling(bucket)
+        fill()
+        self._produced(bucket, buffer)
+        self._start(bucket, start)
+
+    def _filling(self, bucket: int) -> None:
         """Edge 0: the producer is about to overwrite the bucket; on CPU every read of it is over."""
 
-    def produced(self, bucket: int, buffer: torch.Tensor) -> None:
+    def _produced(self, bucket: int, buffer: torch.Tensor) -> None:
         """Edge 1: the producer has written ``buffer``; on CPU that already happened on this thread."""
         self._buffers[bucket] = buffer
         self._record(bucket, "produced", "autograd hook")
 
-    def order_after_produced(self, bucket: int) -> None:
-        """Let the current stream read what the bucket was filled from (before its launch)."""
-
-    def launch(self, bucket: int, start: Callable[[], Future]) -> None:
-        """Edge 2: start the collective after everything the producer did."""
-        if bucket in self._in_flight:
-            raise RuntimeError(f"Bucket {bucket} was launched twice without being completed in between.")
-        stamps, buffer = self.stamps, self._buffers.get(bucket)
-        if stamps is not None and bucket >= 0 and buffer is not None:
+    def _start(self, bucket: int, start: Callable[[], Future]) -> None:
+        """Edge 2: start the collective (timed while the tuned plan measures)."""
+        stamps, buffer = self.stamps, self._buffers[bucket]
+        if stamps is not None and bucket >= 0:
             future = self._in_flight[bucket] = stamps.launch(bucket, buffer.numel() * buffer.element_size(), start)
         else:
             future = self._in_flight[bucket] = start()
@@ -238,24 +246,22 @@ class CudaFence(Fence):
     ) -> None:
         super().__init__(before_wait)
         self._kit = CudaKit(device) if kit is None else kit
-        # Stream the collectives are issued on; it waits on each bucket's ``_produced`` event, and
+        # Stream the collectives are issued on; it waits on each bucket's produced event (recorded on the
+        # producer stream after the copy-in, in the same ``launch``), and
         # the consumer waits on it through the event ``complete`` records after the collective. High
         # priority, so that its short launches are not queued behind compute on the default priority.
         self._comm_stream = self._kit.new_stream(high_priority=True)
         # One event per bucket and edge, made once and recorded again each iteration: each record is
         # waited on (or dropped, after an error) before the same event is recorded again.
         self._events: dict[tuple[int, str], Any] = {}
-        # Event recorded on the producer stream (current when the bucket was filled) after the
-        # copy-in; the communication stream waits on it in ``launch``, which then drops it.
-        self._produced: dict[int, Any] = {}
         # Event recorded on the consumer stream after a bucket's consumers (``consumed``); the next
-        # iteration's producer stream waits on it in ``filling`` before overwriting the buffer.
+        # iteration's producer stream waits on it in ``_filling`` before overwriting the buffer.
         self._released: dict[int, Any] = {}
         # Stream that ran the last copy-out (current in ``complete``); a reader on another stream
         # (an optimizer on a side stream) waits on all of it in ``make_visible``.
         self._consumer: Any | None = None
         # Per bucket being filled: the stream of its last accumulated gradient (``gradient_ready``), and
-        # an event on each stream it switched away from; the filling stream waits on them in ``filling``.
+        # an event on each stream it switched away from; the filling stream waits on them in ``_filling``.
         # Backward accumulates a gradient on the stream its forward op ran on, so one bucket's gradients
         # can come from several streams; with one stream (the usual case) no event is made.
         self._last_producer: dict[int, Any] = {}
@@ -277,7 +283,7 @@ class CudaFence(Fence):
         event.record(stream)
         return event
 
-    def filling(self, bucket: int) -> None:
+    def _filling(self, bucket: int) -> None:
         current = self._kit.current_stream()
         last = self._last_producer.pop(bucket, None)
         producers = self._other_producers.pop(bucket, [])
@@ -295,27 +301,18 @@ class CudaFence(Fence):
             event = self._events[(bucket, edge)] = self._kit.new_event()
         return event
 
-    def produced(self, bucket: int, buffer: torch.Tensor) -> None:
+    def _produced(self, bucket: int, buffer: torch.Tensor) -> None:
         producer = self._kit.current_stream()
         event = self._event(bucket, "produced")
         event.record(producer)
         # The buffer may be dropped (a rebuild, an error) while the copy-in is still queued.
         self._kit.record_stream(buffer, producer)
-        self._produced[bucket] = event
-        super().produced(bucket, buffer)
+        super()._produced(bucket, buffer)
 
-    def order_after_produced(self, bucket: int) -> None:
-        event = self._produced.get(bucket)
-        if event is not None:
-            self._kit.wait_event(self._kit.current_stream(), event, "produced")
-
-    def launch(self, bucket: int, start: Callable[[], Future]) -> None:
-        event = self._produced.pop(bucket, None)
-        if event is None:
-            raise RuntimeError(f"Bucket {bucket} was launched before it was produced.")
+    def _start(self, bucket: int, start: Callable[[], Future]) -> None:
         with self._kit.use(self._comm_stream):
-            self._kit.wait_event(self._comm_stream, event, "produced")
-            super().launch(bucket, start)
+            self._kit.wait_event(self._comm_stream, self._event(bucket, "produced"), "produced")
+            super()._start(bucket, start)
             self._kit.record_stream(self._buffers[bucket], self._comm_stream)
 
     def _wait(self, future: Future) -> Any:
@@ -372,7 +369,6 @@ class CudaFence(Fence):
         """Also order the communication stream after each dropped collective and its hook's callbacks
         (NCCL's future is done at enqueue, so keeping it proves nothing): the buffers, recorded for
         that stream at launch, then return to the allocator only after those writes."""
-        self._produced.clear()
         self._last_producer.clear()
         self._other_producers.clear()
         with self._kit.use(self._comm_stream):

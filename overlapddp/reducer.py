@@ -21,10 +21,10 @@ from typing import Callable, Sequence, cast
 import torch
 import torch.distributed as dist
 
-from overlapddp.bucket.consumer import BucketConsumer, GradientCopy
+from overlapddp.bucket.consumer import BucketConsumer
 from overlapddp.bucket.gradient_checks import GradientWriteWatch
 from overlapddp.bucket.pipeline import BucketPipeline, SharedStages
-from overlapddp.bucket.reduction import BucketReduction
+from overlapddp.bucket.reduction import BucketReduction, GradientCopy
 from overlapddp.bucket.sparse_storage import SparseBucketStorage
 from overlapddp.bucket.storage import BucketStorage
 from overlapddp.delayed_reduction import DelayedReduction
@@ -77,6 +77,7 @@ class _Iteration:
 
     marked: list[bool]  # per parameter: counted in (its bucket has it)
     fires: list[int]  # per parameter: hook firings (the modes that count them)
+    missing: list[int]  # per bucket: members not counted in yet (0: the bucket may launch)
     unused: list[int] = field(default_factory=list)  # counted in without a gradient: no output reached them
     unused_marked: bool = False  # ``unused`` were counted in (at this backward's first gradient)
     next_launch: int = 0  # the next bucket to launch: buckets launch in index order
@@ -84,8 +85,8 @@ class _Iteration:
     record_ready: Callable[[int], None] | None = None
 
     @classmethod
-    def empty(cls, count: int) -> _Iteration:
-        return cls([False] * count, [0] * count)
+    def empty(cls, count: int, plan: BucketPlan) -> _Iteration:
+        return cls([False] * count, [0] * count, [len(members) for members in plan.buckets])
 
 
 class Reducer:
@@ -184,7 +185,7 @@ class Reducer:
         located = plan.locate()
         self._bucket_of = [located[i][0] for i in range(len(self.params))]
         self.pipelines = [self._new_pipeline(b, members) for b, members in enumerate(plan.buckets)]
-        self._iteration = _Iteration.empty(len(self.params))
+        self._iteration = _Iteration.empty(len(self.params), self.plan)
 
     def _new_pipeline(self, index: int, members: Sequence[int]) -> BucketPipeline:
         """A bucket's pipeline over a flat buffer, or for a parameter that expects a sparse gradient its
@@ -232,7 +233,8 @@ class Reducer:
         (a superset of the fence's ``in_flight()``: those launched and not completed)."""
         if self.state is ReducerState.IDLE:
             return []
-        return [p.index for p in self.pipelines if p.missing < len(p.members)]
+        missing = self._iteration.missing
+        return [p.index for p in self.pipelines if missing[p.index] < len(p.members)]
 
     @property
     def fence(self) -> Fence:
@@ -303,7 +305,7 @@ class Reducer:
         self.synchronized_forwards += 1
         self.progress.forward(self.synchronized_forwards, self.reductions, dropped)
         self.reduction.arm()
-        iteration = _Iteration.empty(len(self.params))
+        iteration = _Iteration.empty(len(self.params), self.plan)
         iteration.record_ready = self.layouts.start_iteration(self.fence, self.plan)
         self.mode = GraphMode.OVERLAP
         if self.options.static_graph:
@@ -316,8 +318,6 @@ class Reducer:
             # leaves every parameter reachable, and the backward overlaps as in DDP.
             if hidden and iteration.unused:
                 self.mode = GraphMode.COUNTING_ONLY
-        for pipeline in self.pipelines:
-            pipeline.reset()
         self._iteration = iteration
         self.state = ReducerState.ARMED  # IDLE or ARMED -> ARMED: this forward's backward is reduced
 
@@ -335,35 +335,8 @@ class Reducer:
             return False
         if not self.sync_flags.requested:
             self.sync_flags.synced_under_no_sync(self.rank)
-        if self.mode is GraphMode.OVERLAP:
-            return self._ready(index)
-        self._iteration.fires[index] += 1
-        if self.mode is GraphMode.STATIC:
-            return self._fired_in_static_graph(index)
-        self.state = ReducerState.LEARNING  # ARMED -> LEARNING: counted now, reduced at the end of backward
-        return False
-
-    def _local_gradient(self, index: int) -> None:
-        """A gradient outside a synchronized backward (no_sync): it stays local in ``param.grad``."""
-        self._local_probe = index
-        if self.sync_flags.requested:
-            self.sync_flags.unarmed_backward(self.rank)
-
-    def _fired_in_static_graph(self, index: int) -> bool:
-        """A learned static graph: the gradient is final once it fired as often as in the first backward."""
-        expected = cast(list[int], self._learned_fires)[index]
-        if expected == 0:
-            raise RuntimeError(
-                f"Your training graph has changed in this iteration: parameter {self.names[index]} "
-                f"(index {index}) was unused in the first iteration but received a gradient now on rank "
-                f"{self.rank}. This is not compatible with static_graph=True."
-            )
-        if self._iteration.fires[index] < expected:
+        if self.mode is not GraphMode.OVERLAP and not self._final_now(index):
             return False
-        return self._ready(index)
-
-    def _ready(self, index: int) -> bool:
-        """Count a final gradient in (the backward's unused parameters with the first one)."""
         iteration = self._iteration
         if iteration.marked[index]:
             raise RuntimeError(
@@ -375,21 +348,47 @@ class Reducer:
             )
         if iteration.record_ready is not None:
             iteration.record_ready(index)
-        if not iteration.unused_marked:
+        if not iteration.unused_marked:  # this backward's unused parameters count in with its first gradient
             iteration.unused_marked = True
             for unused in iteration.unused:
                 self._count(unused)
         self._count(index)
         return iteration.next_launch == len(self.pipelines)
 
+    def _final_now(self, index: int) -> bool:
+        """The modes that count firings: whether this firing makes the gradient final (only in a
+        learned static graph, once it fired as often as in the first backward)."""
+        self._iteration.fires[index] += 1
+        if self.mode is not GraphMode.STATIC:
+            self.state = ReducerState.LEARNING  # ARMED -> LEARNING: counted now, reduced at the end of backward
+            return False
+        expected = cast(list[int], self._learned_fires)[index]
+        if expected == 0:
+            raise RuntimeError(
+                f"Your training graph has changed in this iteration: parameter {self.names[index]} "
+                f"(index {index}) was unused in the first iteration but received a gradient now on rank "
+                f"{self.rank}. This is not compatible with static_graph=True."
+            )
+        return self._iteration.fires[index] >= expected
+
+    def _local_gradient(self, index: int) -> None:
+        """A gradient outside a synchronized backward (no_sync): it stays local in ``param.grad``."""
+        self._local_probe = index
+        if self.sync_flags.requested:
+            self.sync_flags.unarmed_backward(self.rank)
+
     def _count(self, index: int) -> None:
-        """One gradient is in its bucket's count; launch every filled bucket, in index order."""
+        """One gradient is in its bucket's count (the fence notes its stream); launch every filled
+        bucket, in index order."""
         iteration = self._iteration
         iteration.marked[index] = True
         self.state = ReducerState.REDUCING  # ARMED or LEARNING -> REDUCING: finalize is owed from here
-        if not self.pipelines[self._bucket_of[index]].gradient_ready(index):
+        bucket = self._bucket_of[index]
+        self.stages.fence.gradient_ready(bucket, index)
+        iteration.missing[bucket] -= 1
+        if iteration.missing[bucket]:
             return
-        while iteration.next_launch < len(self.pipelines) and self.pipelines[iteration.next_launch].filled:
+        while iteration.next_launch < len(self.pipelines) and not iteration.missing[iteration.next_launch]:
             pipeline = self.pipelines[iteration.next_launch]
             if not self._skipped(pipeline):
                 self._launch(pipeline)
@@ -475,7 +474,7 @@ class Reducer:
         self.reductions += 1
         self.progress.reduced(self.synchronized_forwards, self.reductions)
         self._local_probe = None
-        self._iteration = _Iteration.empty(len(self.params))
+        self._iteration = _Iteration.empty(len(self.params), self.plan)
         self.state = ReducerState.IDLE  # FINALIZING -> IDLE: every gradient written
 
     def _globally_used(self, index: int) -> bool:
@@ -513,10 +512,8 @@ class Reducer:
         self.layouts.iteration_abandoned()
         if self.options.searches_unused_each_forward:
             self._used.reset()
-        for pipeline in self.pipelines:
-            pipeline.reset()
         for consumer in self.consumers:
             consumer.abandoned()
-        self._iteration = _Iteration.empty(len(self.params))
+        self._iteration = _Iteration.empty(len(self.params), self.plan)
         self.state = ReducerState.IDLE  # any -> IDLE: the iteration is dropped
 

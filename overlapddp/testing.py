@@ -59,7 +59,6 @@ class DelayedFence(Fence):
         self.inner = inner
         self.seconds = seconds
         self.stage = stage
-        self._on_cuda: dict[int, bool] = {}
 
     @property
     def log(self) -> FenceLog | None:
@@ -80,29 +79,22 @@ class DelayedFence(Fence):
     def gradient_ready(self, bucket: int, param: int | None = None) -> None:
         self.inner.gradient_ready(bucket, param)
 
-    def filling(self, bucket: int) -> None:
-        self.inner.filling(bucket)
+    def launch(self, bucket: int, buffer: torch.Tensor, fill: Callable[[], None], start: Callable[[], Future]) -> None:
         if self.stage == "production":
-            self._sleep_where_the_copy_runs()
 
-    def produced(self, bucket: int, buffer: torch.Tensor) -> None:
-        self._on_cuda[bucket] = buffer.is_cuda
-        self.inner.produced(bucket, buffer)
+            def late_fill() -> None:
+                self._sleep_where_the_copy_runs()
+                fill()
 
-    def order_after_produced(self, bucket: int) -> None:
-        self.inner.order_after_produced(bucket)
-
-    def launch(self, bucket: int, start: Callable[[], Future]) -> None:
-        if self.stage == "launch":
+            self.inner.launch(bucket, buffer, late_fill, start)
+        elif self.stage == "launch":
             time.sleep(self.seconds)
-            self.inner.launch(bucket, lambda: _after_device_sleep(start, self.seconds))
+            self.inner.launch(bucket, buffer, fill, lambda: _after_device_sleep(start, self.seconds))
         elif self.stage == "completion":
-            if bucket not in self._on_cuda:
-                raise RuntimeError(f"Bucket {bucket} was launched before it was produced.")
-            on_cuda = self._on_cuda[bucket]
-            self.inner.launch(bucket, lambda: _resolve_late(start(), self.seconds, on_cuda))
+            on_cuda = buffer.is_cuda
+            self.inner.launch(bucket, buffer, fill, lambda: _resolve_late(start(), self.seconds, on_cuda))
         else:
-            self.inner.launch(bucket, start)
+            self.inner.launch(bucket, buffer, fill, start)
 
     def complete(self, bucket: int) -> object:
         value = self.inner.complete(bucket)

@@ -44,10 +44,7 @@ def test_one_bucket_cycle_records_and_waits_in_order():
     buffer = torch.zeros(4)
     grads = [torch.zeros(2), torch.zeros(2)]
     with kit.use(kit.stream("producer")):
-        fence.filling(0)
-        fence.produced(0, buffer)
-    with kit.use(kit.stream("hook")):  # launched from a later hook on another stream
-        fence.launch(0, lambda: _done([buffer]))
+        fence.launch(0, buffer, lambda: kit.calls.append(("fill",)), lambda: _done([buffer]))
     with kit.use(kit.stream("consumer")):
         fence.complete(0)
         fence.consumed(0, "copy to param.grad", grads)
@@ -55,8 +52,9 @@ def test_one_bucket_cycle_records_and_waits_in_order():
     with kit.use(kit.stream("reader")):
         fence.make_visible(strict=False, gradients=grads)
     with kit.use(kit.stream("producer")):
-        fence.filling(0)
-    assert kit.calls == [
+        fence.launch(0, buffer, lambda: kit.calls.append(("fill",)), lambda: _done([buffer]))
+    assert kit.calls[:17] == [
+        ("fill",),
         ("record", "e1", "producer"),  # produced: on the stream that filled the bucket
         ("record_stream", _ptr(buffer), "producer"),
         ("wait_event", "side1", "e1", "produced"),  # the communication stream waits for the copy-in
@@ -71,7 +69,8 @@ def test_one_bucket_cycle_records_and_waits_in_order():
         ("wait_stream", "reader", "consumer", "reader"),  # the reader waits for the copy-out, not only e2
         ("record_stream", _ptr(grads[0]), "reader"),
         ("record_stream", _ptr(grads[1]), "reader"),
-        ("wait_event", "producer", "e3", "released"),  # the next copy-in waits for the copy-out
+        ("wait_event", "producer", "e3", "released"),  # the next fill waits for the copy-out
+        ("fill",),
     ]
 
 
@@ -79,8 +78,7 @@ def test_a_hook_result_that_is_not_the_buffer_is_kept_for_the_consumer_stream():
     kit = RecordingKit()
     fence = CudaFence(CPU, kit=kit)
     buffer, decompressed = torch.zeros(4), torch.zeros(4)
-    fence.produced(0, buffer)
-    fence.launch(0, lambda: _done(decompressed))
+    fence.launch(0, buffer, lambda: None, lambda: _done(decompressed))
     with kit.use(kit.stream("consumer")):
         fence.complete(0)
     assert ("record_stream", _ptr(decompressed), "consumer") in kit.calls
@@ -90,8 +88,7 @@ def test_make_visible_on_the_consumer_stream_waits_for_nothing_and_strict_refuse
     kit = RecordingKit()
     fence = CudaFence(CPU, kit=kit)
     fence.make_visible(strict=True)  # before any backward: nothing to wait for
-    fence.produced(0, torch.zeros(1))
-    fence.launch(0, lambda: _done([torch.zeros(1)]))
+    fence.launch(0, torch.zeros(1), lambda: None, lambda: _done([torch.zeros(1)]))
     fence.complete(0)
     calls = len(kit.calls)
     fence.make_visible(strict=True)
@@ -117,27 +114,31 @@ def _backward(reducer: Reducer, params: list[torch.Tensor], kit: RecordingKit) -
     for p in params:
         p.grad = torch.full_like(p, 2.0)
     with kit.use(kit.stream("hook a")):
-        reducer.mark_ready(0)  # fills bucket 1; bucket 0 is still missing, so nothing launches
+        reducer.mark_ready(0)  # completes bucket 1; bucket 0 is still missing, so nothing launches
     with kit.use(kit.stream("hook b")):
-        reducer.mark_ready(1)  # fills bucket 0, launches buckets 0 and 1
+        reducer.mark_ready(1)  # completes bucket 0: fills and launches buckets 0 and 1
     with kit.use(kit.stream("consumer")):
         reducer.finalize()
 
 
-def test_produced_is_recorded_where_the_bucket_was_filled_and_the_next_fill_waits_for_the_copy_out(one_rank):
+def test_a_bucket_is_filled_where_it_launches_after_its_gradients_streams_and_the_next_fill_waits_for_the_copy_out(
+    one_rank,
+):
     kit = RecordingKit()
     reducer, params = _two_bucket_reducer(kit)
     _backward(reducer, params, kit)
     records = {event: stream for call, event, stream in (c for c in kit.calls if c[0] == "record")}
     waits = [c for c in kit.calls if c[0] == "wait_event"]
     produced = [event for _, stream, event, edge in waits if edge == "produced"]
-    assert [records[e] for e in produced] == ["hook b", "hook a"]  # bucket 0 then 1, each where filled
+    assert [records[e] for e in produced] == ["hook b", "hook b"]  # buckets 0 and 1, both launched from hook b
+    gradients = [(stream, records[event]) for _, stream, event, edge in waits if edge == "gradient"]
+    assert gradients == [("hook b", "hook a")]  # bucket 1's gradient came from hook a: its fill waits for it
     assert not [w for w in waits if w[3] == "released"]  # the first fills follow no copy-out
     _backward(reducer, params, kit)
     second = [c for c in kit.calls if c[0] == "wait_event" and c[3] == "released"]
     records = {event: stream for call, event, stream in (c for c in kit.calls if c[0] == "record")}
     waited_for = [(stream, records[event]) for _, stream, event, _ in second]
-    assert waited_for == [("hook a", "consumer"), ("hook b", "consumer")]
+    assert waited_for == [("hook b", "consumer"), ("hook b", "consumer")]
     assert [p.grad.tolist() for p in params] == [[2.0] * 3, [2.0] * 2]
 
 
@@ -292,16 +293,15 @@ def test_the_guard_makes_gradients_visible_before_step_zero_grad_and_unscale(one
 def test_copy_delays_delay_only_their_copy_and_leave_the_collective_alone(stage):
     fence = DelayedFence(Fence(), 0.05, stage)
     future = _done([torch.zeros(1)])
+    filled: list[float] = []
     started = time.perf_counter()
-    fence.filling(0)
-    filled = time.perf_counter()
-    fence.produced(0, torch.zeros(1))
-    fence.launch(0, lambda: future)
+    fence.launch(0, torch.zeros(1), lambda: filled.append(time.perf_counter()), lambda: future)
+    launched = time.perf_counter()
     assert fence.inner._in_flight[0] is future  # neither delayed nor wrapped
     fence.complete(0)
     completed = time.perf_counter()
-    assert (filled - started >= 0.05) == (stage == "production")
-    assert (completed - filled >= 0.05) == (stage == "consumption")
+    assert (filled[0] - started >= 0.05) == (stage == "production")
+    assert (completed - launched >= 0.05) == (stage == "consumption")
 
 
 def test_a_completion_delay_falls_on_the_collective_never_on_the_launching_thread():
@@ -309,9 +309,8 @@ def test_a_completion_delay_falls_on_the_collective_never_on_the_launching_threa
     # a sleeping callback would run at once on the launching thread, stalling backward instead of
     # the communication (it made test_timeline's exposed communication vanish on a CI run).
     fence = DelayedFence(Fence(), 0.3, "completion")
-    fence.produced(0, torch.zeros(1))
     started = time.perf_counter()
-    fence.launch(0, lambda: _done([torch.ones(1)]))
+    fence.launch(0, torch.zeros(1), lambda: None, lambda: _done([torch.ones(1)]))
     launched = time.perf_counter()
     assert torch.equal(fence.complete(0)[0], torch.ones(1))  # the collective's result, after the delay
     completed = time.perf_counter()
@@ -322,25 +321,21 @@ def test_a_delayed_collectives_error_reaches_whoever_waits_for_it():
     failed: Future = Future()
     failed.set_exception(RuntimeError("the collective failed"))
     fence = DelayedFence(Fence(), 0.01, "completion")
-    fence.produced(0, torch.zeros(1))
-    fence.launch(0, lambda: failed)
+    fence.launch(0, torch.zeros(1), lambda: None, lambda: failed)
     with pytest.raises(RuntimeError, match="the collective failed"):
         fence.complete(0)
 
 
 def test_a_cuda_buckets_completion_delay_is_written_late_on_the_callbacks_stream(monkeypatch):
-    class CudaLike:  # what produced() reads of a CUDA bucket
+    class CudaLike:  # what the launch reads of a CUDA bucket
         is_cuda = True
 
     written = []
     monkeypatch.setattr(testing, "_written_late_on_stream", lambda done, seconds: written.append(seconds) or done.value())
     fence = DelayedFence(Fence(), 0.01, "completion")
-    fence.produced(0, CudaLike())
-    fence.launch(0, lambda: _done([torch.ones(1)]))
+    fence.launch(0, CudaLike(), lambda: None, lambda: _done([torch.ones(1)]))
     fence.complete(0)
     assert written == [0.01]
-    with pytest.raises(RuntimeError, match="launched before it was produced"):
-        fence.launch(1, lambda: _done([torch.ones(1)]))
 
 
 # -- what the backend cannot reduce is refused at construction ------------------------------------------
@@ -383,4 +378,6 @@ def test_each_bucket_makes_its_events_once_and_records_them_again(one_rank):
     _backward(reducer, params, kit)
     first = kit._events
     _backward(reducer, params, kit)
-    assert first == 6 and kit._events == first  # produced, completed, released per bucket, once
+    # produced, completed, released per bucket, made once; and per backward one event for the gradient
+    # that hook a's stream accumulated into bucket 1, which hook b's stream fills
+    assert first == 6 + 1 and kit._events == first + 1

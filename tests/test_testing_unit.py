@@ -43,15 +43,12 @@ class Recorder(Fence):
     def gradient_ready(self, bucket: int, param: int | None = None) -> None:
         self.calls.append(("gradient_ready", bucket, param))
 
-    def filling(self, bucket: int) -> None:
+    def _filling(self, bucket: int) -> None:
         self.calls.append(("filling", bucket))
 
-    def produced(self, bucket: int, buffer: torch.Tensor) -> None:
+    def _produced(self, bucket: int, buffer: torch.Tensor) -> None:
         self.calls.append(("produced", bucket))
-        super().produced(bucket, buffer)
-
-    def order_after_produced(self, bucket: int) -> None:
-        self.calls.append(("order_after_produced", bucket))
+        super()._produced(bucket, buffer)
 
     def consumed(self, bucket: int, consumer: str, written: Any = ()) -> None:
         self.calls.append(("consumed", bucket, consumer, tuple(written)))
@@ -116,47 +113,40 @@ def test_a_delayed_fence_passes_every_call_through_to_its_inner_fence(sleeps: li
     fence.stamps = None
     buffer, written = torch.zeros(2), torch.ones(1)
     fence.gradient_ready(0, 7)
-    fence.filling(0)
-    fence.produced(0, buffer)
-    fence.order_after_produced(0)
-    fence.launch(0, lambda: _done([buffer]))
+    fence.launch(0, buffer, lambda: inner.calls.append(("fill",)), lambda: _done([buffer]))
     assert fence.in_flight() == [0]
     assert fence.complete(0) == [buffer]
     fence.consumed(0, "copy", [written])
     fence.backward_ended()
     fence.end_iteration()
     fence.make_visible(True, [written])
-    fence.launch(1, lambda: _done(None))
+    fence.launch(1, torch.zeros(1), lambda: None, lambda: _done(None))
     assert fence.abandon() == [1] and fence.in_flight() == []
     assert inner.calls == [
-        ("gradient_ready", 0, 7), ("filling", 0), ("produced", 0), ("order_after_produced", 0),
+        ("gradient_ready", 0, 7), ("filling", 0), ("fill",), ("produced", 0),
         ("consumed", 0, "copy", (written,)), ("backward_ended",), ("end_iteration",), ("make_visible", True, (written,)),
+        ("filling", 1), ("produced", 1),
     ]
     assert sleeps == [0.25, 0.25], "one sleep before each launch, none elsewhere"
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_each_stage_sleeps_where_it_says_and_nowhere_else(stage: str, sleeps: list[float]) -> None:
-    fence = DelayedFence(Recorder(), 0.5, "".join(list(stage)))  # a stage read from a config: compared by value
-    where: list[str] = []
-    for step in ("filling", "produced", "launch", "complete", "consumed"):
-        before = len(sleeps)
-        if step == "filling":
-            fence.filling(0)
-        elif step == "produced":
-            fence.produced(0, torch.zeros(1))
-        elif step == "launch":
-            fence.launch(0, lambda: _done(None))
-        elif step == "complete":
-            if stage == "completion":
-                break  # resolved from a timer: the next test
-            fence.complete(0)
-        else:
-            fence.consumed(0, "copy")
-        if len(sleeps) > before:
-            where.append(step)
-    expected = {"launch": ["launch"], "production": ["filling"], "consumption": ["complete"], "completion": []}
-    assert where == expected[stage]
+def test_each_stage_sleeps_where_it_says_and_nowhere_else(stage: str, sleeps: list[Any]) -> None:
+    inner = Recorder()
+    inner.calls = sleeps  # the inner fence's edges and the sleeps, in one list, in the order they happened
+    fence = DelayedFence(inner, 0.5, "".join(list(stage)))  # a stage read from a config: compared by value
+    fence.launch(0, torch.zeros(1), lambda: sleeps.append(("fill",)), lambda: _done(None))
+    if stage != "completion":  # resolved from a timer: the next tests
+        fence.complete(0)
+        fence.consumed(0, "copy")
+    edges = [("filling", 0), ("fill",), ("produced", 0)]
+    expected = {
+        "launch": [0.5, *edges, ("consumed", 0, "copy", ())],  # before the launch's edges
+        "production": [edges[0], 0.5, *edges[1:], ("consumed", 0, "copy", ())],  # after edge 0, before the fill
+        "consumption": [*edges, 0.5, ("consumed", 0, "copy", ())],  # after the completion, before the consumers
+        "completion": edges,
+    }
+    assert sleeps == expected[stage]
 
 
 @pytest.mark.parametrize("stage", ("production", "consumption"))
@@ -164,28 +154,20 @@ def test_outside_the_launch_and_completion_stages_a_collective_starts_as_given(s
     started: list[Any] = []
 
     class Launches(Fence):
-        def launch(self, bucket: int, start: Any) -> None:
+        def launch(self, bucket: int, buffer: torch.Tensor, fill: Any, start: Any) -> None:
             started.append(start)
 
     fence = DelayedFence(Launches(), 0.5, "".join(list(stage)))
-    fence.produced(0, torch.zeros(1))
     start = lambda: _done(None)  # noqa: E731
-    fence.launch(0, start)
+    fence.launch(0, torch.zeros(1), lambda: None, start)
     assert started == [start] and sleeps == [], "the collective is neither delayed nor resolved late"
-
-
-def test_a_completion_delay_needs_the_bucket_produced_first() -> None:
-    fence = DelayedFence(Fence(), 0.0, "completion")
-    with pytest.raises(RuntimeError, match="Bucket 3 was launched before it was produced"):
-        fence.launch(3, lambda: _done(None))
 
 
 def test_a_completion_delay_resolves_late_from_a_timer_with_the_collectives_value(
     sleeps: list[float], held_timers: list[HeldTimer]
 ) -> None:
     fence = DelayedFence(Fence(), 0.2, "".join(list("completion")))  # compared by value
-    fence.produced(0, torch.zeros(1))
-    fence.launch(0, lambda: _done(["reduced"]))
+    fence.launch(0, torch.zeros(1), lambda: None, lambda: _done(["reduced"]))
     assert sleeps == [], "the launching thread is not delayed"
     assert [timer.interval for timer in held_timers] == [0.2] and held_timers[0].daemon
     assert fence.in_flight() == [0]
@@ -259,7 +241,7 @@ def test_on_cuda_the_copies_are_delayed_on_the_device_not_the_host(monkeypatch: 
     device: list[float] = []
     monkeypatch.setattr(testing, "_device_sleep", device.append)
     fence = DelayedFence(CudaFence(torch.device("cpu"), kit=RecordingKit()), 0.1, "production")
-    fence.filling(0)
+    fence.launch(0, torch.zeros(1), lambda: None, lambda: _done(None))
     assert device == [0.1] and sleeps == []
 
 
@@ -294,8 +276,7 @@ def test_the_unfenced_fence_hands_out_the_buffer_of_an_unfinished_collective_and
     fence = UnfencedFence()
     buffer = torch.zeros(2)
     running: Future = Future()
-    fence.produced(0, buffer)
-    fence.launch(0, lambda: running)
+    fence.launch(0, buffer, lambda: None, lambda: running)
     assert fence.complete(0) is buffer and not running.done()
     assert fence.in_flight() == []
     drained = threading.Thread(target=fence.drain, daemon=True)
@@ -369,8 +350,7 @@ def test_unfenced_keeps_the_log_and_an_enclosing_delay_then_restores_the_fence()
 def test_unfenced_drains_what_it_skipped_before_restoring() -> None:
     model = FakeModel(Fence())
     with unfenced(model) as unsafe:  # type: ignore[arg-type]
-        unsafe.produced(0, torch.zeros(1))
-        unsafe.launch(0, lambda: _done(None))
+        unsafe.launch(0, torch.zeros(1), lambda: None, lambda: _done(None))
         unsafe.complete(0)
         assert len(unsafe._unwaited) == 1
     assert unsafe._unwaited == []

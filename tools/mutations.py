@@ -113,13 +113,9 @@ MUTATIONS = (
     Mutation(
         "launch_before_copy_in",
         "a complete bucket's collective starts before its gradients are copied into its buffer",
-        "overlapddp/bucket/pipeline.py",
-        "        shared.fence.filling(self.index)\n"
-        "        shared.reduction.copy_in(self.storage)\n",
-        "        shared.fence.filling(self.index)\n"
-        "        shared.fence.produced(self.index, self.storage.buffer)\n"
-        "        self.launch(None)\n"
-        "        shared.reduction.copy_in(self.storage)\n",
+        "overlapddp/fence.py",
+        "        fill()\n        self._produced(bucket, buffer)\n        self._start(bucket, start)\n",
+        "        self._produced(bucket, buffer)\n        self._start(bucket, start)\n        fill()\n",
         (HANDED_OVER,),
     ),
     Mutation(
@@ -267,8 +263,8 @@ MUTATIONS = (
         "delayed_multiplies_by_reciprocal",
         "the delayed all-reduce multiplies by 1/world_size instead of DDP's true division (differs at 3)",
         "overlapddp/delayed_reduction.py",
-        "self._storage.copy_in([p.grad for p in self.params], None, self._process_group.size())",
-        "self._storage.copy_in([p.grad for p in self.params], 1.0 / self._process_group.size(), None)",
+        "lambda: storage.copy_in([p.grad for p in self.params], None, group.size()),",
+        "lambda: storage.copy_in([p.grad for p in self.params], 1.0 / group.size(), None),",
         ("tests/test_delayed.py::test_bit_equal_to_stock_ddp_with_the_delay_at_world_size_3",),
     ),
     Mutation(

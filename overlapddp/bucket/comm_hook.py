@@ -15,7 +15,7 @@ from torch.futures import Future
 
 from overlapddp.torch_compat import FUTURE_TYPES
 
-# A user hook's future may resolve to anything; hook_result checks it is the one tensor expected.
+# A user hook's future may resolve to anything; GradientCopy (bucket/reduction.py) checks it is the one tensor expected.
 CommHook = Callable[[Any, "Bucket"], Future[Any]]
 
 

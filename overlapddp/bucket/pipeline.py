@@ -1,14 +1,14 @@
-"""How is one bucket reduced, start to end? Its pipeline: fill -> launch -> complete -> hand over.
+"""How is one bucket reduced, start to end? Its pipeline: fill and launch -> complete -> hand over.
 
-The object that owns a bucket's storage also owns its launch, its completion and its hand-over to
-the consumers, with every fence edge it passes on the way. The reducer only counts gradients and
-decides *when* (its state machine); it never touches a bucket's buffer, its fence edges or the
-hook's result. Per synchronized backward, one bucket goes through:
+The object that owns a bucket's storage also owns its fill, its launch, its completion and its
+hand-over to the consumers, with every fence edge it passes on the way. The reducer only counts
+gradients and decides *when* (its state machine); it never touches a bucket's buffer or the hook's
+result. Per synchronized backward, one bucket goes through:
 
-``gradient_ready(i)`` once per member (the last one fills the buffer, scaled as DDP scales it: fence
-edges 0 and 1) -> ``launch()`` (the scaled sum or the comm hook on a ``Bucket``: edge 2) ->
+``launch()`` once every member's gradient is accumulated (the fence fills the buffer, scaled as DDP
+scales it, edges 0 and 1, then starts the scaled sum or the comm hook on a ``Bucket``, edge 2) ->
 ``write_back(write, consumers)`` (the fence completes it, edge 3; each consumer takes it, the first
-being the copy into ``param.grad``: consumer.py; edge 4). What every bucket of one reducer shares
+being DDP's copy into ``param.grad``: reduction.py; edge 4). What every bucket of one reducer shares
 (the fence, the divisor and hook, the guard's write watch, the desync records) is one
 :class:`SharedStages`.
 """
@@ -16,7 +16,8 @@ being the copy into ``param.grad``: consumer.py; edge 4). What every bucket of o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from functools import partial
+from typing import Callable, Sequence
 
 import torch
 
@@ -44,7 +45,7 @@ class SharedStages:
 
 
 class BucketPipeline:
-    """Bucket ``index`` (parameters ``members``) from its first gradient to its ``param.grad`` writes."""
+    """Bucket ``index`` (parameters ``members``) from its launch to its ``param.grad`` writes."""
 
     def __init__(
         self,
@@ -59,55 +60,39 @@ class BucketPipeline:
         self.storage = storage
         self._shared = shared
         self._is_last = is_last
-        self.missing = len(self.members)  # gradients of this backward not yet accumulated
 
     @property
     def params(self) -> list[torch.Tensor]:
         return self.storage.params
 
-    @property
-    def filled(self) -> bool:
-        """Every member's gradient is in the buffer: the bucket may launch."""
-        return self.missing == 0
-
-    def reset(self) -> None:
-        """A new synchronized backward: no gradient of it has arrived."""
-        self.missing = len(self.members)
-
-    def gradient_ready(self, param: int) -> bool:
-        """Member ``param`` (a reducer index) has its gradient accumulated (on the current stream); the
-        last one fills the bucket. Returns whether the bucket is filled."""
-        shared = self._shared
-        shared.fence.gradient_ready(self.index, param)
-        self.missing -= 1
-        if self.missing:
-            return False
-        shared.fence.filling(self.index)
-        shared.reduction.copy_in(self.storage)
-        if shared.gradient_as_bucket_view:
-            self.storage.point_grads_at_views()
-        elif shared.write_watch.watchers:
-            shared.write_watch.taken(self.index, self.members, self.storage.params)
-        shared.fence.produced(self.index, self.storage.buffer)  # on the stream that wrote the bucket
-        return True
-
     def launch(self) -> None:
-        """Start the bucket's collective after its fill.
+        """Every member's gradient is accumulated: fill the buffer, scaled as DDP scales it, and start
+        the collective over it (the fence runs both, edges 0 to 2).
 
         With the non-finite check on, a bad gradient raises ``FloatingPointError`` on every rank
         instead (nothing launched)."""
-        shared = self._shared
+        shared, storage = self._shared, self.storage
+        fill = partial(shared.reduction.copy_in, storage)
         if shared.check_nonfinite:
-            shared.fence.order_after_produced(self.index)  # the check reads param.grad, maybe on another stream
-            error = nonfinite_error(
-                self.index, self.members, self.storage.params, shared.names, self.storage.buffer.device,
-                shared.reduction.process_group,
-            )
-            if error is not None:
-                raise error
-        bucket = self.hook_bucket(self.storage.buffer)
+            fill = partial(self._fill_checked, fill)
+        start = partial(shared.reduction.start, self.hook_bucket(storage.buffer))
         with torch.autograd.profiler.record_function(f"overlapddp.bucket_{self.index}.launch"):
-            shared.fence.launch(self.index, lambda: shared.reduction.start(bucket))
+            shared.fence.launch(self.index, storage.buffer, fill, start)
+        if shared.gradient_as_bucket_view:
+            storage.point_grads_at_views()
+        elif shared.write_watch.watchers:
+            shared.write_watch.taken(self.index, self.members, storage.params)
+
+    def _fill_checked(self, fill: Callable[[], None]) -> None:
+        """``fill``, then the non-finite check of what it read (on the stream that filled)."""
+        fill()
+        shared = self._shared
+        error = nonfinite_error(
+            self.index, self.members, self.storage.params, shared.names, self.storage.buffer.device,
+            shared.reduction.process_group,
+        )
+        if error is not None:
+            raise error
 
     def hook_bucket(self, buffer: torch.Tensor) -> Bucket:
         """This bucket over ``buffer`` as the comm-hook adapter a hook receives."""

@@ -1,10 +1,12 @@
-"""What does each bucket's collective do, and what does it divide by? The scaled sum, or a comm hook.
+"""What does each bucket's collective do, what does it divide by, and what comes out? DDP's arithmetic.
 
 DDP's default path multiplies each gradient by ``1 / world_size`` while copying it into its bucket,
 then sums; a batched copy divides the bucket after the copy instead; a communication hook gets the
 unscaled bucket and divides itself. The divisor is the world size, under ``Join`` the ranks still
 training (when asked to), or with token weighting the global token count, known only once its
-all-reduce (launched at the start of backward) has completed.
+all-reduce (launched at the start of backward) has completed. What comes out, the sum's buffer or
+the hook's one tensor, is checked and copied into ``param.grad`` by :class:`GradientCopy`, the first
+consumer of every bucket (bucket/consumer.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from overlapddp.bucket.comm_hook import Bucket, CommHook, is_unchained, run_hook
+from overlapddp.bucket.consumer import ReducedBucket
 from overlapddp.bucket.sparse_storage import SparseBucketStorage
 from overlapddp.bucket.storage import BucketStorage
 from overlapddp.bucket.token_weighting import TokenCount
@@ -118,3 +121,42 @@ class BucketReduction:
         after = self._hook_future if chained else None
         self._hook_future = run_hook(hook, state, bucket, after)
         return self._hook_future
+
+
+class GradientCopy:
+    """DDP's consumer: the collective's result, checked, copied into each written member's ``.grad``
+    (with ``gradient_as_bucket_view``, the gradients are the bucket's views).
+
+    A hook's future must resolve to one tensor of the bucket's size; DDP also accepts a one-element
+    list. Anything else is an error that names the hook and the bucket instead of a failed stride
+    check later.
+    """
+
+    name = "copy to param.grad"
+
+    def __init__(self, reduction: BucketReduction, as_view: bool) -> None:
+        self._reduction = reduction
+        self._as_view = as_view
+
+    def take(self, bucket: ReducedBucket) -> None:
+        value, expected = bucket.value, bucket.storage.buffer
+        if isinstance(value, (list, tuple)) and len(value) == 1:
+            value = value[0]
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"Communication hook {self._reduction.hook_name} returned a future whose value is "
+                f"{type(value).__name__} for bucket {bucket.index}; expected one tensor of {expected.numel()} elements."
+            )
+        if value.numel() != expected.numel() or not value.is_floating_point() and not value.is_complex():
+            raise ValueError(
+                f"Communication hook {self._reduction.hook_name} returned a {tuple(value.shape)} {value.dtype} "
+                f"tensor for bucket {bucket.index}; expected {expected.numel()} elements of a floating dtype "
+                f"(the bucket holds {expected.dtype})."
+            )
+        bucket.storage.copy_out(value, bucket.write, as_view=self._as_view)
+
+    def all_taken(self) -> None:
+        """Nothing waits for the last bucket: every copy was made as its bucket completed."""
+
+    def abandoned(self) -> None:
+        """Nothing is kept across buckets."""

@@ -1,5 +1,5 @@
-"""One bucket's pipeline with its shared stages stood in for: the check of a hook's result, the
-error a failed completion raises, and the non-finite check that stops a launch."""
+"""One bucket's pipeline with its shared stages stood in for: the fill before the launch, the error a
+failed completion raises, the non-finite check that stops a launch, the hand-over to consumers."""
 
 from __future__ import annotations
 
@@ -11,52 +11,18 @@ import torch
 from torch.futures import Future
 
 from overlapddp.bucket import pipeline as bucket_pipeline
-from overlapddp.bucket.consumer import ReducedBucket, hook_result
+from overlapddp.bucket.consumer import ReducedBucket
 from overlapddp.bucket.pipeline import BucketPipeline, SharedStages
 from overlapddp.clock import BucketStamps, HostClock
 from overlapddp.fence import Fence
-
-EXPECTED = torch.zeros(6)
-
-
-@pytest.mark.parametrize("wrap", (lambda t: t, lambda t: [t], lambda t: (t,)), ids=("tensor", "list", "tuple"))
-def test_a_hook_may_return_a_tensor_or_one_in_a_list_or_tuple(wrap: Any) -> None:
-    reduced = torch.ones(6)
-    assert hook_result(wrap(reduced), "my_hook", 3, EXPECTED) is reduced
-
-
-def test_a_complex_result_of_the_right_size_is_accepted() -> None:
-    reduced = torch.zeros(6, dtype=torch.complex64)
-    assert hook_result(reduced, "my_hook", 3, EXPECTED) is reduced
-
-
-@pytest.mark.parametrize(
-    ("value", "kind"),
-    [([torch.ones(6), torch.ones(6)], "list"), (None, "NoneType"), ([], "list"), ("done", "str")],
-)
-def test_a_result_that_is_not_one_tensor_is_a_type_error_naming_hook_and_bucket(value: object, kind: str) -> None:
-    with pytest.raises(TypeError) as raised:
-        hook_result(value, "my_hook", 3, EXPECTED)
-    assert str(raised.value) == (
-        f"Communication hook my_hook returned a future whose value is {kind} for bucket 3; "
-        "expected one tensor of 6 elements."
-    )
-
-
-@pytest.mark.parametrize("value", [torch.ones(5), torch.ones(2, 4), torch.ones(6, dtype=torch.int64), torch.ones(6, dtype=torch.bool)])
-def test_a_tensor_of_another_size_or_an_integer_dtype_is_a_value_error(value: torch.Tensor) -> None:
-    with pytest.raises(ValueError) as raised:
-        hook_result(value, "my_hook", 3, EXPECTED)
-    assert str(raised.value) == (
-        f"Communication hook my_hook returned a {tuple(value.shape)} {value.dtype} tensor for bucket 3; "
-        "expected 6 elements of a floating dtype (the bucket holds torch.float32)."
-    )
 
 
 def _pipeline(members: list[int], fence: Fence, check_nonfinite: bool = False) -> BucketPipeline:
     shared = SharedStages(
         fence=fence,
-        reduction=SimpleNamespace(rank=2, process_group=None, hook_name="allreduce", start=lambda bucket: Future()),  # type: ignore[arg-type]
+        reduction=SimpleNamespace(  # type: ignore[arg-type]
+            rank=2, process_group=None, hook_name="allreduce", start=lambda bucket: Future(), copy_in=lambda storage: None,
+        ),
         write_watch=SimpleNamespace(watchers=0, check=lambda bucket: None),  # type: ignore[arg-type]
         progress=SimpleNamespace(behind=lambda bucket: f" (rank 1 is behind, bucket {bucket})"),  # type: ignore[arg-type]
         names=[f"layer{i}.weight" for i in range(6)],
@@ -145,7 +111,6 @@ def test_while_measuring_the_fence_stamps_each_launchs_bytes_and_each_hand_over(
     fence.stamps = BucketStamps(Ticks(), 2)
     pipeline = _pipeline([0, 1], fence)
     pipeline.storage.buffer = torch.zeros(5, dtype=torch.float64)  # 40 bytes
-    fence.produced(4, pipeline.storage.buffer)
     pipeline._shared.reduction.start = lambda bucket: _resolved(bucket.buffer())
     pipeline.launch()
     (launch,) = fence.stamps.launches
@@ -210,13 +175,13 @@ def test_the_fence_hears_which_gradients_the_copy_out_wrote() -> None:
     assert len(fence.written) == 1 and len(fence.written[0]) == 1 and fence.written[0][0] is with_grad.grad
 
 
-def test_the_last_members_gradient_fills_the_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
-    fence = Fence()
-    pipeline = _pipeline([0, 1], fence)
-    filled: list[int] = []
-    pipeline._shared.reduction.copy_in = lambda storage: filled.append(len(filled))
-    fence.produced = lambda bucket, buffer: None  # type: ignore[method-assign]
-    assert pipeline.gradient_ready(0) is False and not pipeline.filled and filled == []
-    assert pipeline.gradient_ready(1) is True and pipeline.filled and filled == [0]
-    pipeline.reset()
-    assert not pipeline.filled and pipeline.missing == 2
+def test_the_launch_fills_the_bucket_before_its_collective_starts_and_the_check_reads_after_the_fill(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    order: list[str] = []
+    monkeypatch.setattr(bucket_pipeline, "nonfinite_error", lambda *args: order.append("check"))
+    pipeline = _pipeline([0, 1], Fence(), check_nonfinite=True)
+    pipeline._shared.reduction.copy_in = lambda storage: order.append("fill")
+    pipeline._shared.reduction.start = lambda bucket: order.append("start") or _resolved(bucket.buffer())
+    pipeline.launch()
+    assert order == ["fill", "check", "start"]

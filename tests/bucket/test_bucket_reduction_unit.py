@@ -1,5 +1,6 @@
 """BucketReduction without spawning ranks: what each backward divides by, what copy-in is told, which
-collective each bucket starts, and which combinations are refused, on a one-rank gloo group.
+collective each bucket starts, and what DDP's copy into ``param.grad`` accepts of a hook's result, on a
+one-rank gloo group.
 
 The multi-rank tests (test_parity, test_ready_order, test_comm_hooks, test_token_weighting) show the
 results bit-equal to DDP; these pin the arithmetic handed to the storage with divisors other than
@@ -18,7 +19,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 import overlapddp.bucket.reduction as bucket_reduction
 from overlapddp.bucket.comm_hook import Bucket
-from overlapddp.bucket.reduction import BucketReduction
+from overlapddp.bucket.consumer import ReducedBucket
+from overlapddp.bucket.reduction import BucketReduction, GradientCopy
 
 
 class _Storage:
@@ -198,3 +200,53 @@ def test_waiting_for_hook_chains_waits_for_the_last_one_started(one_rank):
     reduction._hook_future = SimpleNamespace(wait=lambda: waited.append("last"))  # type: ignore[assignment]
     reduction.wait_for_hook_chains()
     assert waited == ["last"]
+
+
+# -- GradientCopy: the hook's result, checked, then copied out ------------------------------------------
+
+EXPECTED = torch.zeros(6)
+
+
+def _take(value: object, write: list[bool] | None = None, as_view: bool = False) -> list[tuple[Any, ...]]:
+    """What the copy-out of bucket 3 (6 float32 elements) is asked, when the hook ``my_hook`` returned ``value``."""
+    copied: list[tuple[Any, ...]] = []
+    storage = SimpleNamespace(buffer=EXPECTED, copy_out=lambda result, w, as_view: copied.append((result, w, as_view)))
+    copy = GradientCopy(SimpleNamespace(hook_name="my_hook"), as_view)  # type: ignore[arg-type]
+    copy.take(ReducedBucket(3, storage, value, write or [True]))  # type: ignore[arg-type]
+    return copied
+
+
+@pytest.mark.parametrize("wrap", (lambda t: t, lambda t: [t], lambda t: (t,)), ids=("tensor", "list", "tuple"))
+def test_a_hook_may_return_a_tensor_or_one_in_a_list_or_tuple(wrap: Any) -> None:
+    reduced = torch.ones(6)
+    ((result, write, as_view),) = _take(wrap(reduced), [True, False], as_view=True)
+    assert result is reduced and write == [True, False] and as_view is True
+
+
+def test_a_complex_result_of_the_right_size_is_accepted() -> None:
+    reduced = torch.zeros(6, dtype=torch.complex64)
+    assert _take(reduced)[0][0] is reduced
+
+
+@pytest.mark.parametrize(
+    ("value", "kind"),
+    [([torch.ones(6), torch.ones(6)], "list"), (None, "NoneType"), ([], "list"), ("done", "str")],
+)
+def test_a_result_that_is_not_one_tensor_is_a_type_error_naming_hook_and_bucket(value: object, kind: str) -> None:
+    with pytest.raises(TypeError) as raised:
+        _take(value)
+    assert str(raised.value) == (
+        f"Communication hook my_hook returned a future whose value is {kind} for bucket 3; "
+        "expected one tensor of 6 elements."
+    )
+
+
+@pytest.mark.parametrize("value", [torch.ones(5), torch.ones(2, 4), torch.ones(6, dtype=torch.int64), torch.ones(6, dtype=torch.bool)])
+def test_a_tensor_of_another_size_or_an_integer_dtype_is_a_value_error(value: torch.Tensor) -> None:
+    with pytest.raises(ValueError) as raised:
+        _take(value)
+    assert str(raised.value) == (
+        f"Communication hook my_hook returned a {tuple(value.shape)} {value.dtype} tensor for bucket 3; "
+        "expected 6 elements of a floating dtype (the bucket holds torch.float32)."
+    )
+
