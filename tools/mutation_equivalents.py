@@ -812,6 +812,12 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
     ),
     Equivalent(
         "overlapddp/construction.py",
+        'Feature.TUNED_PLAN: args.bucket_plan == "tuned", => Feature.TUNED_PLAN: args.bucket_plan >= "tuned",',
+        "resolve asks the refusal table for the features only after _check_arguments checked bucket_plan against "
+        "BUCKET_PLANS, and 'ddp' sorts before 'tuned'",
+    ),
+    Equivalent(
+        "overlapddp/construction.py",
         'single_gpu = len(devices) == 1 and next(iter(devices)).type != "cpu" => single_gpu = len(devices) <= 1 and next(iter(devices)).type != "cpu"',
         "a module with no parameter that requires grad is refused before the devices are resolved: there is always one",
     ),
