@@ -56,11 +56,12 @@ class DelayedReduction:
     def launch(self, fence: Fence) -> None:
         """Copy the gradients in (zeros for ``None``), divide by the world size and start the SUM."""
         storage, group = self._storage, self._process_group
-        fence.launch(
-            FENCE_KEY, storage.buffer,
-            lambda: storage.copy_in([p.grad for p in self.params], None, group.size()),
-            lambda: dist.all_reduce(storage.buffer, group=group, async_op=True).get_future(),
-        )
+
+        def fill() -> torch.Tensor:
+            storage.copy_in([p.grad for p in self.params], None, group.size())
+            return storage.buffer
+
+        fence.launch(FENCE_KEY, fill, lambda: dist.all_reduce(storage.buffer, group=group, async_op=True).get_future())
         self._launched = True
 
     def gradient_ready(self, index: int, fence: Fence) -> None:

@@ -133,14 +133,14 @@ class Fence:
         if self.stamps is not None and param is not None:
             self.stamps.gradient_ready(param)
 
-    def launch(self, bucket: int, buffer: torch.Tensor, fill: Callable[[], None], start: Callable[[], Future]) -> None:
+    def launch(self, bucket: int, fill: Callable[[], torch.Tensor], start: Callable[[], Future]) -> None:
         """Edges 0 to 2, the only way to start a collective: ``fill`` writes every local gradient into
-        ``buffer`` once nothing reads it any more (edge 0), the buffer is produced (edge 1), then
-        ``start`` runs the collective after everything the producer did (edge 2)."""
+        the bucket's buffer once nothing reads it any more (edge 0) and returns that buffer, which is
+        then produced (edge 1); ``start`` runs the collective after everything the producer did (edge 2)."""
         if bucket in self._in_flight:
             raise RuntimeError(f"Bucket {bucket} was launched twice without being completed in between.")
         self._filling(bucket)
-        fill()
+        buffer = fill()
         self._produced(bucket, buffer)
         self._start(bucket, start)
 
@@ -154,8 +154,9 @@ class Fence:
 
     def _start(self, bucket: int, start: Callable[[], Future]) -> None:
         """Edge 2: start the collective (timed while the tuned plan measures)."""
-        stamps, buffer = self.stamps, self._buffers[bucket]
+        stamps = self.stamps
         if stamps is not None and bucket >= 0:
+            buffer = self._buffers[bucket]
             future = self._in_flight[bucket] = stamps.launch(bucket, buffer.numel() * buffer.element_size(), start)
         else:
             future = self._in_flight[bucket] = start()

@@ -79,22 +79,27 @@ class DelayedFence(Fence):
     def gradient_ready(self, bucket: int, param: int | None = None) -> None:
         self.inner.gradient_ready(bucket, param)
 
-    def launch(self, bucket: int, buffer: torch.Tensor, fill: Callable[[], None], start: Callable[[], Future]) -> None:
+    def launch(self, bucket: int, fill: Callable[[], torch.Tensor], start: Callable[[], Future]) -> None:
         if self.stage == "production":
 
-            def late_fill() -> None:
+            def late_fill() -> torch.Tensor:
                 self._sleep_where_the_copy_runs()
-                fill()
+                return fill()
 
-            self.inner.launch(bucket, buffer, late_fill, start)
+            self.inner.launch(bucket, late_fill, start)
         elif self.stage == "launch":
             time.sleep(self.seconds)
-            self.inner.launch(bucket, buffer, fill, lambda: _after_device_sleep(start, self.seconds))
+            self.inner.launch(bucket, fill, lambda: _after_device_sleep(start, self.seconds))
         elif self.stage == "completion":
-            on_cuda = buffer.is_cuda
-            self.inner.launch(bucket, buffer, fill, lambda: _resolve_late(start(), self.seconds, on_cuda))
+            filled: list[torch.Tensor] = []
+
+            def noted_fill() -> torch.Tensor:
+                filled.append(fill())
+                return filled[0]
+
+            self.inner.launch(bucket, noted_fill, lambda: _resolve_late(start(), self.seconds, filled[0].is_cuda))
         else:
-            self.inner.launch(bucket, buffer, fill, start)
+            self.inner.launch(bucket, fill, start)
 
     def complete(self, bucket: int) -> object:
         value = self.inner.complete(bucket)

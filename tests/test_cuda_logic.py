@@ -44,7 +44,7 @@ def test_one_bucket_cycle_records_and_waits_in_order():
     buffer = torch.zeros(4)
     grads = [torch.zeros(2), torch.zeros(2)]
     with kit.use(kit.stream("producer")):
-        fence.launch(0, buffer, lambda: kit.calls.append(("fill",)), lambda: _done([buffer]))
+        fence.launch(0, lambda: kit.calls.append(("fill",)) or buffer, lambda: _done([buffer]))
     with kit.use(kit.stream("consumer")):
         fence.complete(0)
         fence.consumed(0, "copy to param.grad", grads)
@@ -52,7 +52,7 @@ def test_one_bucket_cycle_records_and_waits_in_order():
     with kit.use(kit.stream("reader")):
         fence.make_visible(strict=False, gradients=grads)
     with kit.use(kit.stream("producer")):
-        fence.launch(0, buffer, lambda: kit.calls.append(("fill",)), lambda: _done([buffer]))
+        fence.launch(0, lambda: kit.calls.append(("fill",)) or buffer, lambda: _done([buffer]))
     assert kit.calls[:17] == [
         ("fill",),
         ("record", "e1", "producer"),  # produced: on the stream that filled the bucket
@@ -78,7 +78,7 @@ def test_a_hook_result_that_is_not_the_buffer_is_kept_for_the_consumer_stream():
     kit = RecordingKit()
     fence = CudaFence(CPU, kit=kit)
     buffer, decompressed = torch.zeros(4), torch.zeros(4)
-    fence.launch(0, buffer, lambda: None, lambda: _done(decompressed))
+    fence.launch(0, lambda: buffer, lambda: _done(decompressed))
     with kit.use(kit.stream("consumer")):
         fence.complete(0)
     assert ("record_stream", _ptr(decompressed), "consumer") in kit.calls
@@ -88,7 +88,7 @@ def test_make_visible_on_the_consumer_stream_waits_for_nothing_and_strict_refuse
     kit = RecordingKit()
     fence = CudaFence(CPU, kit=kit)
     fence.make_visible(strict=True)  # before any backward: nothing to wait for
-    fence.launch(0, torch.zeros(1), lambda: None, lambda: _done([torch.zeros(1)]))
+    fence.launch(0, lambda: torch.zeros(1), lambda: _done([torch.zeros(1)]))
     fence.complete(0)
     calls = len(kit.calls)
     fence.make_visible(strict=True)
@@ -295,7 +295,7 @@ def test_copy_delays_delay_only_their_copy_and_leave_the_collective_alone(stage)
     future = _done([torch.zeros(1)])
     filled: list[float] = []
     started = time.perf_counter()
-    fence.launch(0, torch.zeros(1), lambda: filled.append(time.perf_counter()), lambda: future)
+    fence.launch(0, lambda: filled.append(time.perf_counter()) or torch.zeros(1), lambda: future)
     launched = time.perf_counter()
     assert fence.inner._in_flight[0] is future  # neither delayed nor wrapped
     fence.complete(0)
@@ -310,7 +310,7 @@ def test_a_completion_delay_falls_on_the_collective_never_on_the_launching_threa
     # the communication (it made test_timeline's exposed communication vanish on a CI run).
     fence = DelayedFence(Fence(), 0.3, "completion")
     started = time.perf_counter()
-    fence.launch(0, torch.zeros(1), lambda: None, lambda: _done([torch.ones(1)]))
+    fence.launch(0, lambda: torch.zeros(1), lambda: _done([torch.ones(1)]))
     launched = time.perf_counter()
     assert torch.equal(fence.complete(0)[0], torch.ones(1))  # the collective's result, after the delay
     completed = time.perf_counter()
@@ -321,7 +321,7 @@ def test_a_delayed_collectives_error_reaches_whoever_waits_for_it():
     failed: Future = Future()
     failed.set_exception(RuntimeError("the collective failed"))
     fence = DelayedFence(Fence(), 0.01, "completion")
-    fence.launch(0, torch.zeros(1), lambda: None, lambda: failed)
+    fence.launch(0, lambda: torch.zeros(1), lambda: failed)
     with pytest.raises(RuntimeError, match="the collective failed"):
         fence.complete(0)
 
@@ -333,7 +333,7 @@ def test_a_cuda_buckets_completion_delay_is_written_late_on_the_callbacks_stream
     written = []
     monkeypatch.setattr(testing, "_written_late_on_stream", lambda done, seconds: written.append(seconds) or done.value())
     fence = DelayedFence(Fence(), 0.01, "completion")
-    fence.launch(0, CudaLike(), lambda: None, lambda: _done([torch.ones(1)]))
+    fence.launch(0, lambda: CudaLike(), lambda: _done([torch.ones(1)]))
     fence.complete(0)
     assert written == [0.01]
 

@@ -14,10 +14,6 @@ from overlapddp.fence import BACKWARD_END, CudaFence, Fence, FenceEdge, FenceLog
 from tests.support.fake_cuda import RecordingKit
 
 
-def _nothing() -> None:
-    """A fill that writes nothing (these tests watch the fence, not a buffer)."""
-
-
 def _edge(iteration: int, bucket: int, edge: str, buffer: int = 1) -> FenceEdge:
     return FenceEdge(iteration, bucket, edge, "actor", "cpu", None, buffer, 0.0)
 
@@ -70,9 +66,9 @@ def test_a_buffer_produced_into_while_its_collective_runs_is_a_violation_until_i
 
 def test_a_bucket_launched_twice_or_completed_unlaunched_is_refused_naming_it() -> None:
     fence = Fence()
-    fence.launch(4, torch.zeros(1), _nothing, lambda: _done(1))
+    fence.launch(4, lambda: torch.zeros(1), lambda: _done(1))
     with pytest.raises(RuntimeError, match="Bucket 4 was launched twice"):
-        fence.launch(4, torch.zeros(1), _nothing, lambda: _done(1))
+        fence.launch(4, lambda: torch.zeros(1), lambda: _done(1))
     with pytest.raises(RuntimeError, match="Bucket 5 was asked for its result but was never launched"):
         fence.complete(5)
     assert fence.complete(4) == 1
@@ -84,7 +80,7 @@ def test_complete_tells_the_waiter_hook_which_future_it_waits_for_first() -> Non
     seen: list[tuple[int, Future]] = []
     fence = Fence(before_wait=lambda bucket, future: seen.append((bucket, future)))
     future: Future = Future()
-    fence.launch(2, torch.zeros(1), _nothing, lambda: future)
+    fence.launch(2, lambda: torch.zeros(1), lambda: future)
     future.set_result("reduced")
     assert fence.complete(2) == "reduced"
     assert seen == [(2, future)]
@@ -93,12 +89,12 @@ def test_complete_tells_the_waiter_hook_which_future_it_waits_for_first() -> Non
 def test_abandon_drops_every_collective_in_flight_and_starts_a_new_iteration() -> None:
     fence = Fence()
     for bucket in (3, 1, 2):
-        fence.launch(bucket, torch.zeros(1), _nothing, lambda: _done(None))
+        fence.launch(bucket, lambda: torch.zeros(1), lambda: _done(None))
     fence.complete(2)
     assert fence.in_flight() == [1, 3]
     assert fence.abandon() == [1, 3]
     assert fence.in_flight() == [] and fence.iteration == 1
-    fence.launch(1, torch.zeros(1), _nothing, lambda: _done(None))  # no longer "launched twice"
+    fence.launch(1, lambda: torch.zeros(1), lambda: _done(None))  # no longer "launched twice"
     fence.end_iteration()
     assert fence.iteration == 2
 
@@ -107,12 +103,12 @@ def test_the_log_records_each_edge_with_its_iteration_buffer_and_times_in_order(
     fence = Fence()
     fence.log = FenceLog()
     buffer = torch.zeros(3)
-    fence.launch(0, buffer, _nothing, lambda: _done(buffer))
+    fence.launch(0, lambda: buffer, lambda: _done(buffer))
     fence.complete(0)
     fence.consumed(0, "copy to param.grad")
     fence.backward_ended()
     fence.end_iteration()
-    fence.launch(0, buffer, _nothing, lambda: _done(buffer))
+    fence.launch(0, lambda: buffer, lambda: _done(buffer))
     edges = fence.log.edges
     assert [(e.iteration, e.bucket, e.edge, e.actor) for e in edges] == [
         (0, 0, "produced", "autograd hook"),
@@ -132,7 +128,7 @@ def test_the_log_records_each_edge_with_its_iteration_buffer_and_times_in_order(
 
 def test_without_a_log_nothing_is_recorded_or_kept_per_launch() -> None:
     fence = Fence()
-    fence.launch(0, torch.zeros(1), _nothing, lambda: _done(None))
+    fence.launch(0, lambda: torch.zeros(1), lambda: _done(None))
     assert fence._launched_at == {} and fence._finished_at == {}
     fence.complete(0)
     assert fence.log is None
@@ -159,7 +155,7 @@ def test_the_fence_follows_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
     assert type(cpu) is Fence and type(cuda) is CudaFence
     assert all(type(fence_for(torch.device(other))) is Fence for other in ("meta", "xpu", "mps")), "streams are CUDA's only"
     for fence, bucket in ((cpu, 1), (cuda, 2)):
-        fence.launch(bucket, torch.zeros(1), _nothing, lambda: _done(None))
+        fence.launch(bucket, lambda: torch.zeros(1), lambda: _done(None))
         fence.complete(bucket)
     assert calls == [1, -2], "each fence got its waiter hook"
 
@@ -173,7 +169,7 @@ def test_a_bucket_filled_from_two_streams_waits_for_each_before_its_copy() -> No
     fence.gradient_ready(0)
     with kit.use(kit.stream("side")):
         fence.gradient_ready(0)
-    fence.launch(0, torch.zeros(1), lambda: kit.calls.append(("fill",)), lambda: _done(None))
+    fence.launch(0, lambda: kit.calls.append(("fill",)) or torch.zeros(1), lambda: _done(None))
     before_fill = kit.calls[:kit.calls.index(("fill",))]
     assert [(c[1], c[2]) for c in before_fill if c[0] == "record"] == [("e1", "main"), ("e2", "side")]
     assert [c for c in before_fill if c[0] == "wait_event"] == [
@@ -181,7 +177,7 @@ def test_a_bucket_filled_from_two_streams_waits_for_each_before_its_copy() -> No
     kit.calls.clear()
     fence.gradient_ready(1)
     fence.gradient_ready(1)
-    fence.launch(1, torch.zeros(1), lambda: kit.calls.append(("fill",)), lambda: _done(None))
+    fence.launch(1, lambda: kit.calls.append(("fill",)) or torch.zeros(1), lambda: _done(None))
     assert kit.calls[0] == ("fill",), "one stream: no event, no wait before the fill"
 
 
@@ -191,7 +187,7 @@ def test_an_abandoned_failed_collective_is_waited_on_the_communication_stream_an
     fence = CudaFence(torch.device("cpu"), kit=kit)
     failed: Future = Future()
     failed.set_exception(RuntimeError("gloo: connection closed"))
-    fence.launch(0, torch.zeros(1), _nothing, lambda: failed)
+    fence.launch(0, lambda: torch.zeros(1), lambda: failed)
     assert fence.abandon() == [0] and fence.in_flight() == []
     waits = [c for c in kit.calls if c[0] == "wait_future"]
     assert len(waits) == 1 and waits[0][1] != "main" and waits[0][2] == "collective"
@@ -215,7 +211,7 @@ def test_on_cuda_a_completion_is_logged_when_it_was_waited_not_when_the_future_w
     kit = RecordingKit()
     fence = CudaFence(torch.device("cpu"), kit=kit)
     fence.log = FenceLog()
-    fence.launch(0, torch.zeros(1), _nothing, lambda: _done([torch.zeros(1)]))
+    fence.launch(0, lambda: torch.zeros(1), lambda: _done([torch.zeros(1)]))
     time.sleep(0.02)
     waited = time.perf_counter()
     fence.complete(0)
@@ -229,7 +225,7 @@ def test_on_cpu_a_completion_is_logged_when_the_collective_finished_not_when_it_
     fence.log = FenceLog()
     buffer = torch.zeros(1)
     running: Future = Future()
-    fence.launch(0, buffer, _nothing, lambda: running)
+    fence.launch(0, lambda: buffer, lambda: running)
     running.set_result(buffer)
     time.sleep(0.02)
     waited = time.perf_counter()

@@ -29,8 +29,8 @@ LAYERS = [
      "shard.ownership", "shard.state", "shard.step_record"},
     {"layout.cost_model", "bucket.comm_hook_validation", "timeline", "delayed_reduction", "mixed_precision",
      "sanitize.completion",
-     "layout.selection", "bucket.reduction", "bucket.gradient_checks"},
-    {"layout.tuner", "bucket.consumer"},
+     "layout.selection", "bucket.consumer", "bucket.gradient_checks"},
+    {"layout.tuner", "bucket.reduction"},
     # Which layout is in force (initial, DDP's rebuild, tuning, final); how one bucket is reduced.
     {"layout.lifecycle", "bucket.pipeline", "sanitize.accesses"},
     {"reducer"},

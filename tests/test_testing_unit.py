@@ -113,14 +113,14 @@ def test_a_delayed_fence_passes_every_call_through_to_its_inner_fence(sleeps: li
     fence.stamps = None
     buffer, written = torch.zeros(2), torch.ones(1)
     fence.gradient_ready(0, 7)
-    fence.launch(0, buffer, lambda: inner.calls.append(("fill",)), lambda: _done([buffer]))
+    fence.launch(0, lambda: inner.calls.append(("fill",)) or buffer, lambda: _done([buffer]))
     assert fence.in_flight() == [0]
     assert fence.complete(0) == [buffer]
     fence.consumed(0, "copy", [written])
     fence.backward_ended()
     fence.end_iteration()
     fence.make_visible(True, [written])
-    fence.launch(1, torch.zeros(1), lambda: None, lambda: _done(None))
+    fence.launch(1, lambda: torch.zeros(1), lambda: _done(None))
     assert fence.abandon() == [1] and fence.in_flight() == []
     assert inner.calls == [
         ("gradient_ready", 0, 7), ("filling", 0), ("fill",), ("produced", 0),
@@ -135,7 +135,7 @@ def test_each_stage_sleeps_where_it_says_and_nowhere_else(stage: str, sleeps: li
     inner = Recorder()
     inner.calls = sleeps  # the inner fence's edges and the sleeps, in one list, in the order they happened
     fence = DelayedFence(inner, 0.5, "".join(list(stage)))  # a stage read from a config: compared by value
-    fence.launch(0, torch.zeros(1), lambda: sleeps.append(("fill",)), lambda: _done(None))
+    fence.launch(0, lambda: sleeps.append(("fill",)) or torch.zeros(1), lambda: _done(None))
     if stage != "completion":  # resolved from a timer: the next tests
         fence.complete(0)
         fence.consumed(0, "copy")
@@ -154,12 +154,12 @@ def test_outside_the_launch_and_completion_stages_a_collective_starts_as_given(s
     started: list[Any] = []
 
     class Launches(Fence):
-        def launch(self, bucket: int, buffer: torch.Tensor, fill: Any, start: Any) -> None:
+        def launch(self, bucket: int, fill: Any, start: Any) -> None:
             started.append(start)
 
     fence = DelayedFence(Launches(), 0.5, "".join(list(stage)))
     start = lambda: _done(None)  # noqa: E731
-    fence.launch(0, torch.zeros(1), lambda: None, start)
+    fence.launch(0, lambda: torch.zeros(1), start)
     assert started == [start] and sleeps == [], "the collective is neither delayed nor resolved late"
 
 
@@ -167,7 +167,7 @@ def test_a_completion_delay_resolves_late_from_a_timer_with_the_collectives_valu
     sleeps: list[float], held_timers: list[HeldTimer]
 ) -> None:
     fence = DelayedFence(Fence(), 0.2, "".join(list("completion")))  # compared by value
-    fence.launch(0, torch.zeros(1), lambda: None, lambda: _done(["reduced"]))
+    fence.launch(0, lambda: torch.zeros(1), lambda: _done(["reduced"]))
     assert sleeps == [], "the launching thread is not delayed"
     assert [timer.interval for timer in held_timers] == [0.2] and held_timers[0].daemon
     assert fence.in_flight() == [0]
@@ -241,7 +241,7 @@ def test_on_cuda_the_copies_are_delayed_on_the_device_not_the_host(monkeypatch: 
     device: list[float] = []
     monkeypatch.setattr(testing, "_device_sleep", device.append)
     fence = DelayedFence(CudaFence(torch.device("cpu"), kit=RecordingKit()), 0.1, "production")
-    fence.launch(0, torch.zeros(1), lambda: None, lambda: _done(None))
+    fence.launch(0, lambda: torch.zeros(1), lambda: _done(None))
     assert device == [0.1] and sleeps == []
 
 
@@ -276,7 +276,7 @@ def test_the_unfenced_fence_hands_out_the_buffer_of_an_unfinished_collective_and
     fence = UnfencedFence()
     buffer = torch.zeros(2)
     running: Future = Future()
-    fence.launch(0, buffer, lambda: None, lambda: running)
+    fence.launch(0, lambda: buffer, lambda: running)
     assert fence.complete(0) is buffer and not running.done()
     assert fence.in_flight() == []
     drained = threading.Thread(target=fence.drain, daemon=True)
@@ -350,7 +350,7 @@ def test_unfenced_keeps_the_log_and_an_enclosing_delay_then_restores_the_fence()
 def test_unfenced_drains_what_it_skipped_before_restoring() -> None:
     model = FakeModel(Fence())
     with unfenced(model) as unsafe:  # type: ignore[arg-type]
-        unsafe.launch(0, torch.zeros(1), lambda: None, lambda: _done(None))
+        unsafe.launch(0, lambda: torch.zeros(1), lambda: _done(None))
         unsafe.complete(0)
         assert len(unsafe._unwaited) == 1
     assert unsafe._unwaited == []

@@ -114,8 +114,8 @@ MUTATIONS = (
         "launch_before_copy_in",
         "a complete bucket's collective starts before its gradients are copied into its buffer",
         "overlapddp/fence.py",
-        "        fill()\n        self._produced(bucket, buffer)\n        self._start(bucket, start)\n",
-        "        self._produced(bucket, buffer)\n        self._start(bucket, start)\n        fill()\n",
+        "        buffer = fill()\n        self._produced(bucket, buffer)\n        self._start(bucket, start)\n",
+        "        self._start(bucket, start)\n        buffer = fill()\n        self._produced(bucket, buffer)\n",
         (HANDED_OVER,),
     ),
     Mutation(
@@ -263,8 +263,8 @@ MUTATIONS = (
         "delayed_multiplies_by_reciprocal",
         "the delayed all-reduce multiplies by 1/world_size instead of DDP's true division (differs at 3)",
         "overlapddp/delayed_reduction.py",
-        "lambda: storage.copy_in([p.grad for p in self.params], None, group.size()),",
-        "lambda: storage.copy_in([p.grad for p in self.params], 1.0 / group.size(), None),",
+        "storage.copy_in([p.grad for p in self.params], None, group.size())",
+        "storage.copy_in([p.grad for p in self.params], 1.0 / group.size(), None)",
         ("tests/test_delayed.py::test_bit_equal_to_stock_ddp_with_the_delay_at_world_size_3",),
     ),
     Mutation(

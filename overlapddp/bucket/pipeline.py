@@ -75,17 +75,16 @@ class BucketPipeline:
         fill = partial(shared.reduction.copy_in, storage)
         if shared.check_nonfinite:
             fill = partial(self._fill_checked, fill)
-        start = partial(shared.reduction.start, self.hook_bucket(storage.buffer))
         with torch.autograd.profiler.record_function(f"overlapddp.bucket_{self.index}.launch"):
-            shared.fence.launch(self.index, storage.buffer, fill, start)
+            shared.fence.launch(self.index, fill, lambda: shared.reduction.start(self.hook_bucket(storage.buffer)))
         if shared.gradient_as_bucket_view:
             storage.point_grads_at_views()
         elif shared.write_watch.watchers:
             shared.write_watch.taken(self.index, self.members, storage.params)
 
-    def _fill_checked(self, fill: Callable[[], None]) -> None:
+    def _fill_checked(self, fill: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``fill``, then the non-finite check of what it read (on the stream that filled)."""
-        fill()
+        buffer = fill()
         shared = self._shared
         error = nonfinite_error(
             self.index, self.members, self.storage.params, shared.names, self.storage.buffer.device,
@@ -93,6 +92,7 @@ class BucketPipeline:
         )
         if error is not None:
             raise error
+        return buffer
 
     def hook_bucket(self, buffer: torch.Tensor) -> Bucket:
         """This bucket over ``buffer`` as the comm-hook adapter a hook receives."""

@@ -84,8 +84,9 @@ class BucketReduction:
         work.wait()
         return int(work.result()[0].item())
 
-    def copy_in(self, storage: BucketStorage | SparseBucketStorage) -> None:
-        """Copy a complete bucket's gradients in, scaled as DDP scales them (batched, once per bucket)."""
+    def copy_in(self, storage: BucketStorage | SparseBucketStorage) -> torch.Tensor:
+        """Copy a complete bucket's gradients in, scaled as DDP scales them (batched, once per bucket);
+        returns the buffer written (a sparse bucket's is the gradient itself)."""
         no_hook = self.comm_hook is None
         batched = self._batched
         if self._divide_by is None:  # token weighting: the global count is needed from here on
@@ -97,6 +98,7 @@ class BucketReduction:
             divide_by=self._divide_by if batched and no_hook else None,
             alias_divide_by=self._divide_by if no_hook and not batched else None,
         )
+        return storage.buffer
 
     @property
     def issues_from_callbacks(self) -> bool:

@@ -21,7 +21,7 @@ def _pipeline(members: list[int], fence: Fence, check_nonfinite: bool = False) -
     shared = SharedStages(
         fence=fence,
         reduction=SimpleNamespace(  # type: ignore[arg-type]
-            rank=2, process_group=None, hook_name="allreduce", start=lambda bucket: Future(), copy_in=lambda storage: None,
+            rank=2, process_group=None, hook_name="allreduce", start=lambda bucket: Future(), copy_in=lambda storage: storage.buffer,
         ),
         write_watch=SimpleNamespace(watchers=0, check=lambda bucket: None),  # type: ignore[arg-type]
         progress=SimpleNamespace(behind=lambda bucket: f" (rank 1 is behind, bucket {bucket})"),  # type: ignore[arg-type]
@@ -181,7 +181,7 @@ def test_the_launch_fills_the_bucket_before_its_collective_starts_and_the_check_
     order: list[str] = []
     monkeypatch.setattr(bucket_pipeline, "nonfinite_error", lambda *args: order.append("check"))
     pipeline = _pipeline([0, 1], Fence(), check_nonfinite=True)
-    pipeline._shared.reduction.copy_in = lambda storage: order.append("fill")
+    pipeline._shared.reduction.copy_in = lambda storage: order.append("fill") or storage.buffer
     pipeline._shared.reduction.start = lambda bucket: order.append("start") or _resolved(bucket.buffer())
     pipeline.launch()
     assert order == ["fill", "check", "start"]

@@ -31,6 +31,7 @@ class _Storage:
         for param in self.params:
             param.grad = torch.full_like(param, 2.0)
         self.copies: list[tuple[Any, ...]] = []
+        self.buffer = torch.zeros(5)
 
     def copy_in(self, grads: list[torch.Tensor | None], multiply_by: float | None, divide_by: float | None,
                 alias_divide_by: float | None = None) -> None:
@@ -71,7 +72,7 @@ class _Tokens:
 
 def _copy_in(reduction: BucketReduction) -> tuple[Any, ...]:
     storage = _Storage()
-    reduction.copy_in(storage)  # type: ignore[arg-type]
+    assert reduction.copy_in(storage) is storage.buffer, "the fill returns the buffer it wrote"  # type: ignore[arg-type]
     (copied,) = storage.copies
     return copied
 

@@ -6,12 +6,12 @@ on is not testing that rule.
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 from typing import Iterator
 
 from overlapddp import reducer, wrapper
 from overlapddp.bucket import comm_hook
-from overlapddp.bucket import consumer as bucket_consumer
 from overlapddp.bucket import reduction as bucket_reduction
 from overlapddp.bucket import storage as bucket_storage
 from overlapddp.layout import lifecycle as layout_lifecycle
@@ -86,13 +86,12 @@ def _ignore_set_buffer() -> tuple[object, str, object]:
 
 def _ignore_hook_result() -> tuple[object, str, object]:
     """Copy the bucket's own buffer into ``.grad`` instead of the tensor the hook's future holds."""
-    original = bucket_consumer.hook_result
+    original = bucket_reduction.GradientCopy.take
 
-    def hook_result(value, hook_name, bucket_index, expected):
-        original(value, hook_name, bucket_index, expected)
-        return expected
+    def take(self, bucket):
+        original(self, dataclasses.replace(bucket, value=bucket.storage.buffer))
 
-    return bucket_consumer, "hook_result", hook_result
+    return bucket_reduction.GradientCopy, "take", take
 
 
 def _hook_not_registered() -> tuple[object, str, object]:
