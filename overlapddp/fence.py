@@ -306,15 +306,16 @@ class CudaFence(Fence):
         producer = self._kit.current_stream()
         event = self._event(bucket, "produced")
         event.record(producer)
-        # The buffer may be dropped (a rebuild, an error) while the copy-in is still queued.
-        self._kit.record_stream(buffer, producer)
         super()._produced(bucket, buffer)
 
     def _start(self, bucket: int, start: Callable[[], Future]) -> None:
         with self._kit.use(self._comm_stream):
             self._kit.wait_event(self._comm_stream, self._event(bucket, "produced"), "produced")
-            super()._start(bucket, start)
+            # The buffer may be dropped (a rebuild, an error) while the fill or the collective is queued.
+            # Kept for this stream, it returns to the allocator only after this stream's work queued by
+            # then, which waits for the fill on the producer stream: one record covers both.
             self._kit.record_stream(self._buffers[bucket], self._comm_stream)
+            super()._start(bucket, start)
 
     def _wait(self, future: Future) -> Any:
         return self._kit.wait_future(future, "collective")
