@@ -799,6 +799,36 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         STEPPED_AT_ALIASES,
     ),
     Equivalent(
+        "overlapddp/optim/overlap.py",
+        "self._taking = False  # a bucket of the current backward was taken => "
+        "self._taking = True  # a bucket of the current backward was taken",
+        "it only skips the first backward's check of an owed step(), and nothing is owed then: _used is None until "
+        "all_taken sets it, and all_taken sets _taking back to False first",
+    ),
+    Equivalent(
+        "overlapddp/optim/overlap.py",
+        "self._taking = True => self._taking = False",
+        "every bucket then checks for an owed step(), not only a backward's first: the first check leaves _used None "
+        "(it was None, or it is cleared as it raises) and only all_taken sets it again, so the later checks do nothing",
+    ),
+    Equivalent(
+        "overlapddp/optim/overlap.py",
+        "if scaler is not None and scaler is not ours: => if scaler is not None and scaler != ours:",
+        "GradScaler defines no __eq__: != compares identity, as is not does",
+    ),
+    Equivalent(
+        "overlapddp/optim/overlap.py",
+        "if frame.f_code is _SCALER_STEP: => if frame.f_code == _SCALER_STEP:",
+        "code objects are equal only with the same name, first line, bytecode, constants and names: no other "
+        "function's code on a stack equals GradScaler._maybe_opt_step's",
+    ),
+    Equivalent(
+        "overlapddp/optim/overlap.py",
+        'for key, value in group.items() if key != "params"} => for key, value in group.items() if key is not "params"}',
+        "a group's \"params\" key is a literal (torch's or the user's), which CPython interns; and were it not, the "
+        "snapshot would hold the group's own params list, equal to itself at step()",
+    ),
+    Equivalent(
         "overlapddp/construction.py",
         "sparse_names = [n for (n, _), s in zip(trainable, sparse, strict=True) if s] => "
         "sparse_names = [n for (n, _), s in zip(trainable, sparse, strict=False) if s]",

@@ -323,3 +323,93 @@ def test_parameters_in_a_skipped_unused_bucket_still_update_as_after_ddp(one_ran
         finals.append([p.detach().clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*finals, strict=True))
     assert not torch.equal(finals[1][2], WithUnused().unused.weight), "weight decay moved the unused layer"
+
+
+def test_step_arguments_are_named_in_the_refusal(one_rank: None) -> None:
+    model = _wrapped()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.attach_optimizer(opt, overlap=True)
+    _backward(model, 0)
+    with pytest.raises(NotImplementedError, match=r"\(got a closure\)"):
+        opt.step(lambda: 0.0)
+    with pytest.raises(NotImplementedError, match=r"\(got \['foo'\]\)"):
+        opt.step(foo=1)
+    opt.step()  # a refused call is not the step: it is still owed
+
+
+class _OneUsed(torch.nn.Module):
+    """Two layers; ``use_both=False`` leaves the second without a gradient (its reduction never finishes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
+        self.use_both = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x)) if self.use_both else self.first(x)
+
+
+def test_an_attach_refused_between_iterations_gives_the_scaler_its_unscale_back(one_rank: None) -> None:
+    model = OverlapDDP(_OneUsed(), bucket_cap_mb=1e-5)
+    model.module.use_both = False
+    model(torch.ones(2, 3)).sum().backward()  # the second layer's bucket never fills: still reducing
+    scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(RuntimeError, match="can only be attached between iterations"):
+        model.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), overlap=True, scaler=scaler)
+    assert scaler.unscale_.__func__ is torch.amp.GradScaler.unscale_, "the refused attach kept the scaler's unscale_"
+
+
+def test_a_skipped_step_is_still_owed_after_a_dropped_iteration(one_rank: None) -> None:
+    """A backward that never finishes (an unused parameter) is dropped at the next forward, before any
+    bucket was taken: the update of the backward before it is still owed its step()."""
+    model = OverlapDDP(_OneUsed(), bucket_cap_mb=1e-5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.attach_optimizer(opt, overlap=True)
+    model(torch.ones(2, 3)).sum().backward()  # updated, then no step()
+    model.module.use_both = False
+    model(torch.ones(2, 3)).sum().backward()  # never finishes: nothing taken
+    model.module.use_both = True
+    with pytest.raises(RuntimeError, match="Expected to have finished reduction in the prior iteration"):
+        model(torch.ones(2, 3))
+    with pytest.raises(RuntimeError, match=r"the next backward on rank 0: the last backward already updated"):
+        model(torch.ones(2, 3)).sum().backward()
+
+
+def test_a_step_after_the_refused_zero_grad_acknowledges_the_update(one_rank: None) -> None:
+    model = _wrapped()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.attach_optimizer(opt, overlap=True)
+    _backward(model, 0)
+    with pytest.raises(RuntimeError, match="optimizer.step\\(\\) was not called"):
+        opt.zero_grad()
+    opt.step()  # the refusal forgot the settings used: nothing to compare, the step goes through
+    opt.zero_grad()
+    _backward(model, 1)
+    opt.step()
+
+
+@pytest.mark.parametrize("key", ["weight_decay", "nesterov", "lr"])  # keys after "params", and one before
+def test_any_hyperparameter_set_after_backward_raises_at_step(one_rank: None, key: str) -> None:
+    model = _wrapped()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model.attach_optimizer(opt, overlap=True)
+    _backward(model, 0)
+    opt.param_groups[0][key] = {"weight_decay": 0.5, "nesterov": True, "lr": 0.5}[key]
+    with pytest.raises(RuntimeError, match=rf"param_groups\[0\]\['{key}'\] is"):
+        opt.step()
+
+
+def test_a_hyperparameter_set_again_to_an_equal_value_is_not_a_change(one_rank: None) -> None:
+    """Compared by value: a new float, the same value as a 0-d tensor or back, or a tensor of several
+    values equal element by element (a key of the user's own) are what the update used."""
+    model = _wrapped()
+    opt = torch.optim.SGD(model.parameters(), lr=0.25)
+    opt.param_groups[0]["mask"] = torch.tensor([1.0, 2.0])
+    model.attach_optimizer(opt, overlap=True)
+    for step, lr in enumerate((float("0.25"), torch.tensor(0.25), 0.25)):
+        _backward(model, step)
+        opt.param_groups[0]["lr"] = lr  # the update used 0.25, as a float, a float, then a tensor
+        opt.param_groups[0]["mask"] = torch.tensor([1.0, 2.0])
+        opt.step()
+        opt.zero_grad()
