@@ -497,6 +497,29 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         'per_gradient = zip(*self._ready, strict=False) => per_gradient = zip(*self._ready, strict=True)',
         "every measured iteration records one ready time per parameter: equal lengths",
     ),
+    Equivalent(
+        'overlapddp/layout/tuner.py',
+        'for i, seconds in zip(marked, read([cast(Stamp, stamps.ready[i]) for i in marked]), strict=True): => '
+        'for i, seconds in zip(marked, read([cast(Stamp, stamps.ready[i]) for i in marked]), strict=False):',
+        "the clock's seconds() returns one value per stamp it is given, one per marked gradient: equal lengths",
+    ),
+    *(
+        Equivalent('overlapddp/layout/tuner.py', change,
+                   "both lists are read from worked, one stamp per bucket, and seconds() returns one value per stamp: "
+                   "the zips' lengths are equal")
+        for change in (
+            'read([stamps.consumed[b] for b in worked]), strict=True), strict=True)) => '
+            'read([stamps.consumed[b] for b in worked]), strict=False), strict=True))',
+            'read([stamps.consumed[b] for b in worked]), strict=True), strict=True)) => '
+            'read([stamps.consumed[b] for b in worked]), strict=True), strict=False))',
+        )
+    ),
+    Equivalent(
+        'overlapddp/layout/tuner.py',
+        'for b, start, done, seconds in zip(launches, launched, finished, work, strict=False) => '
+        'for b, start, done, seconds in zip(launches, launched, finished, work, strict=True)',
+        "launched, finished and work are each made from launches, one value per launch: equal lengths",
+    ),
     Equivalent("overlapddp/layout/cost_model.py", "samples.append((b.nbytes, max(b.finished - start, 0.0))) => samples.append((b.nbytes, max(b.finished - start, -1.0)))", "a sample's time is only read as max(t - alpha, 0.0); alpha is the smallest host_s, a perf_counter difference (tuner.py), never negative, so a time in [-1, 0) counts 0 s either way"),
     Equivalent("overlapddp/layout/cost_model.py", "work_from = [0.0] * (count + 1)  # W: the finalize work of gradients k.. in ready order => work_from = [0.0] * (count + 2)  # W: the finalize work of gradients k.. in ready order", "the extra trailing element is never read: the loop reads k + 1 <= count and the planner reads indices below count"),
     Equivalent("overlapddp/layout/cost_model.py", 'fronts: list[list[tuple[float, float, int, int]]] = [[(float("-inf"), float("-inf"), 0, 0)]] => fronts: list[list[tuple[float, float, int, int]]] = [[(float("-inf"), float("-inf"), 1, 0)]]', _EMPTY_PREFIX),

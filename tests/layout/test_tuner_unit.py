@@ -252,3 +252,25 @@ def test_a_shadowed_iteration_is_timed_in_the_selection_like_a_run_one(clock, on
     tuner.shadow_iteration()  # the joined rank issues this iteration's collectives with the others
     tuner.between_iterations(group, cpu, order, in_force, lambda plan: None)
     assert tuner._selection._count == 1
+
+
+def test_a_bucket_stamped_at_only_one_end_of_its_finalize_work_counts_none(clock):
+    tuner = PlanTuner(_params(2), [False] * 2)
+    stamps = tuner.start_iteration(_plan_of([1, 1]))
+    assert stamps is not None
+    stamps.launches += [LaunchStamps(0, 4, 0.0, 1.0, 2.0), LaunchStamps(1, 4, 0.0, 1.5, 2.5)]
+    stamps.completed[0] = 2.0  # never consumed
+    stamps.consumed[1] = 3.0  # never completed
+    tuner.end_iteration()
+    assert [b.finalize_s for b in tuner._buckets[0]] == [0.0, 0.0]
+
+
+def test_an_iteration_ending_after_a_discarded_one_and_a_restored_layout_measures_nothing(clock):
+    plan = _plan_of([2])
+    tuner = PlanTuner(_params(2), [False] * 2)
+    assert tuner.start_iteration(plan) is not None
+    tuner.discard_iteration()  # the calibration iteration failed ...
+    tuner.restored()  # ... and a checkpoint's layout was loaded
+    assert tuner.start_iteration(plan) is None
+    tuner.end_iteration()  # nothing measured, nothing fails
+    assert tuner._ready == [] and tuner._buckets == [] and not tuner.measuring
