@@ -228,13 +228,30 @@ class OverlappedOptimizer:
             )
 
     def _check_settings_unchanged(self) -> None:
-        """A hyperparameter set after backward would be ignored: the update already used the old value."""
-        for index, (group, used) in enumerate(zip(self.optimizer.param_groups, self._used or [], strict=False)):
+        """A hyperparameter, a parameter group or a group's parameters changed after backward would be
+        ignored: the update already ran with what the optimizer held then."""
+        groups, used_groups = self.optimizer.param_groups, self._used
+        if used_groups is None:  # the scaler skipped the update: nothing ran to differ from
+            return
+        rank = self._reducer.rank
+        if len(groups) != len(used_groups):
+            raise RuntimeError(
+                f"optimizer.step() on rank {rank}: the optimizer has {len(groups)} parameter groups, but the update "
+                f"that already ran during backward (attach_optimizer(overlap=True)) used {len(used_groups)}; a group "
+                f"added or removed after backward would not be stepped as written. {_BEFORE_BACKWARD}"
+            )
+        for index, (group, used) in enumerate(zip(groups, used_groups, strict=True)):
+            if [id(p) for p in group["params"]] != used["params"]:
+                raise RuntimeError(
+                    f"optimizer.step() on rank {rank}: param_groups[{index}]['params'] holds other parameters than "
+                    "when the update already ran during backward (attach_optimizer(overlap=True)); parameters added "
+                    f"or removed after backward would not be stepped as written. {_BEFORE_BACKWARD}"
+                )
             for key, before in used.items():
                 now = group.get(key)
-                if not _same(now, before):
+                if key != "params" and not _same(now, before):
                     raise RuntimeError(
-                        f"optimizer.step() on rank {self._reducer.rank}: param_groups[{index}][{key!r}] is {now!r}, "
+                        f"optimizer.step() on rank {rank}: param_groups[{index}][{key!r}] is {now!r}, "
                         f"but the update that already ran during backward (attach_optimizer(overlap=True)) used "
                         f"{before!r}. With overlap=True each bucket is updated as soon as it is reduced: set "
                         "hyperparameters (an lr, an LR scheduler's step()) before backward, or attach without "
@@ -273,10 +290,21 @@ def _stepping_scaler() -> object:
 _SCALER_STEP = torch.amp.grad_scaler.GradScaler._maybe_opt_step.__code__
 
 
+# What a refusal of a change made after backward tells the user to do instead.
+_BEFORE_BACKWARD = (
+    "With overlap=True each bucket is updated as soon as it is reduced: change the optimizer's parameter groups "
+    "before backward (add_param_group between steps is taken at the next backward), or attach without "
+    "overlap=True to have step() use them."
+)
+
+
 def _settings(group: dict[str, Any]) -> dict[str, Any]:
-    """A parameter group's hyperparameters as they are now (tensors copied: schedulers write in place)."""
-    return {key: value.clone() if isinstance(value, torch.Tensor) else value
-            for key, value in group.items() if key != "params"}
+    """A parameter group as it is now: its parameters by identity, its hyperparameters by value
+    (tensors copied: schedulers write in place)."""
+    settings = {key: value.clone() if isinstance(value, torch.Tensor) else value
+                for key, value in group.items() if key != "params"}
+    settings["params"] = [id(p) for p in group["params"]]
+    return settings
 
 
 def _same(now: object, before: object) -> bool:

@@ -413,3 +413,52 @@ def test_a_hyperparameter_set_again_to_an_equal_value_is_not_a_change(one_rank: 
         opt.param_groups[0]["mask"] = torch.tensor([1.0, 2.0])
         opt.step()
         opt.zero_grad()
+
+
+def _first_and_last_layer(model: OverlapDDP) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    params = list(model.parameters())
+    return params[:-2], params[-2:]
+
+
+def test_a_parameter_group_added_after_backward_raises_at_step(one_rank: None) -> None:
+    model = _wrapped()
+    first, last = _first_and_last_layer(model)
+    opt = torch.optim.SGD(first, lr=0.1)
+    model.attach_optimizer(opt, overlap=True)
+    _backward(model, 0)
+    opt.add_param_group({"params": last})  # the update that ran during backward did not step these
+    with pytest.raises(RuntimeError, match=(
+        r"optimizer.step\(\) on rank 0: the optimizer has 2 parameter groups, but the update that already ran "
+        r"during backward \(attach_optimizer\(overlap=True\)\) used 1; .* change the optimizer's parameter groups "
+        r"before backward"
+    )):
+        opt.step()
+
+
+def test_parameters_added_to_a_group_after_backward_raise_at_step(one_rank: None) -> None:
+    model = _wrapped()
+    first, last = _first_and_last_layer(model)
+    opt = torch.optim.SGD(first, lr=0.1)
+    model.attach_optimizer(opt, overlap=True)
+    _backward(model, 0)
+    opt.param_groups[0]["params"].extend(last)
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\] holds other parameters than when the update"):
+        opt.step()
+
+
+def test_a_parameter_group_added_between_steps_is_stepped_as_without_overlap(one_rank: None) -> None:
+    finals = []
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = _wrapped()
+        first, last = _first_and_last_layer(model)
+        opt = torch.optim.SGD(first, lr=0.1, momentum=0.9)
+        model.attach_optimizer(opt, overlap=overlap)
+        for step in range(3):
+            opt.zero_grad()
+            _backward(model, step)
+            opt.step()
+            if step == 0:
+                opt.add_param_group({"params": last, "lr": 0.05})  # taken at the next backward
+        finals.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*finals, strict=True))
