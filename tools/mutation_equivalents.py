@@ -1191,7 +1191,7 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "a ReducedBucket is made by the pipeline and only read by the consumers: nothing assigns to one",
     ),
     Equivalent(
-        "overlapddp/bucket/consumer.py",
+        "overlapddp/bucket/reduction.py",
         "value = value[0] => value = value[ -1]",
         "the line runs only for a list or tuple of exactly one element, whose first is its last",
     ),

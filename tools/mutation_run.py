@@ -121,13 +121,17 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "overlapddp/param_usage.py": ("tests/test_usage_map.py", "tests/test_wrapper.py", "tests/test_loops.py", "tests/test_user_inputs.py"),
     "overlapddp/module_sync.py": ("tests/test_module_sync_unit.py", "tests/test_one_rank_parity.py", "tests/test_wrapper.py", "tests/test_join.py", "tests/test_parity.py"),
     "overlapddp/bucket/reduction.py": (
-        "tests/bucket/test_bucket_reduction_unit.py", "tests/layout/test_ready_order.py", "tests/bucket/test_comm_hooks.py",
+        "tests/bucket/test_bucket_reduction_unit.py", "tests/bucket/test_bucket_pipeline_unit.py", "tests/layout/test_ready_order.py",
+        "tests/bucket/test_comm_hooks.py",
         "tests/bucket/test_token_weighting.py", "tests/test_parity.py",
     ),
     "overlapddp/refusals.py": ("tests/test_refusals_unit.py", "tests/test_wrapper_unit.py", "tests/test_construction_unit.py", "tests/test_option_pairs.py"),
-    "overlapddp/bucket/consumer.py": ("tests/bucket/test_bucket_pipeline_unit.py", "tests/test_reducer_unit.py", "tests/test_one_rank_parity.py", "tests/bucket/test_comm_hooks.py", "tests/test_parity.py"),
+    "overlapddp/bucket/consumer.py": (
+        "tests/bucket/test_bucket_pipeline_unit.py", "tests/bucket/test_bucket_reduction_unit.py", "tests/test_reducer_unit.py",
+        "tests/test_one_rank_parity.py", "tests/bucket/test_comm_hooks.py", "tests/test_parity.py",
+    ),
     "overlapddp/optim/takeover.py": ("tests/optim/test_optimizer_overlap_one_rank.py", "tests/optim/test_guard_detach.py", "tests/shard/test_sharded_optimizer_one_rank.py"),
-    "overlapddp/bucket/pipeline.py": ("tests/bucket/test_bucket_pipeline_unit.py", "tests/test_one_rank_parity.py", "tests/layout/test_ready_order.py", "tests/test_race.py", "tests/test_parity.py"),
+    "overlapddp/bucket/pipeline.py": ("tests/bucket/test_bucket_pipeline_unit.py", "tests/bucket/test_bucket_reduction_unit.py", "tests/test_one_rank_parity.py", "tests/layout/test_ready_order.py", "tests/test_race.py", "tests/test_parity.py"),
     "overlapddp/bucket/storage.py": ("tests/bucket/test_bucket_storage_unit.py", "tests/test_one_rank_parity.py", "tests/layout/test_ready_order.py", "tests/bucket/test_comm_hooks.py", "tests/test_parity.py"),
     "overlapddp/layout/lifecycle.py": ("tests/layout/test_layout_lifecycle_unit.py", "tests/test_one_rank_parity.py", "tests/layout/test_ready_order.py", "tests/test_loops.py", "tests/test_parity.py"),
     "overlapddp/construction.py": (
