@@ -711,3 +711,40 @@ def test_a_hook_fired_without_a_gradient_is_not_a_use(one_rank: None) -> None:
         else:
             reducer.finalize()
         assert params[1].grad is None, f"{options}: b had no gradient on any rank, so it is left alone"
+
+
+def _doubling(state: Any, bucket: Any) -> torch.futures.Future:
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(bucket.buffer() * 2)
+    return future
+
+
+def test_a_gradient_used_here_is_written_back_whether_the_search_is_dynamic_or_learned(one_rank: None) -> None:
+    """The usage map marks each gradient this rank produced, in the dynamic search and in a static
+    graph's first backward alike: a marked one is written back (doubled by the hook), never left local."""
+    for options in (ReducerOptions(find_unused_parameters=True), ReducerOptions(static_graph=True)):
+        params = _params()
+        reducer = _reducer(params=params, options=options)
+        reducer.reduction.set_comm_hook(None, _doubling)
+        reducer.prepare_for_forward()
+        reducer.prepare_for_backward([sum(p.sum() for p in params)])
+        for i in (2, 1, 0):
+            _grad(reducer, i, i + 1.0)
+            reducer.mark_ready(i)
+        if reducer.needs_end_of_backward_trigger:
+            reducer.reduce_at_end_of_backward()
+        else:
+            reducer.finalize()
+        assert [float(p.grad[0]) for p in params] == [2.0, 4.0, 6.0], options
+
+
+def test_a_consumer_is_refused_once_a_gradient_is_taken_even_with_nothing_in_flight(one_rank: None) -> None:
+    """Bucket 2's gradient waits for buckets 0 and 1 to launch first: nothing is in flight, but the
+    backward has begun, so a consumer attached now would miss that bucket's take."""
+    reducer = _reducer()
+    reducer.prepare_for_backward()
+    _grad(reducer, 0, 1.0)
+    reducer.mark_ready(0)  # parameter 0 is the last bucket's
+    assert reducer.fence.in_flight() == [] and reducer.state is ReducerState.REDUCING
+    with pytest.raises(RuntimeError, match="recording can only be attached between iterations; the reducer is reducing"):
+        reducer.attach(Recording(reducer, []))

@@ -991,7 +991,8 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
     ),
     Equivalent(
         "overlapddp/reducer.py",
-        "if self.mode is GraphMode.OVERLAP: => if self.mode == GraphMode.OVERLAP:",
+        "if self.mode is not GraphMode.OVERLAP and not self._final_now(index): => "
+        "if self.mode != GraphMode.OVERLAP and not self._final_now(index):",
         "GraphMode members are singletons without a custom __eq__: identity and equality agree",
     ),
     Equivalent(
@@ -1031,7 +1032,7 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
     ),
     Equivalent(
         "overlapddp/reducer.py",
-        'if self.mode is GraphMode.STATIC: => if self.mode == GraphMode.STATIC:',
+        'if self.mode is not GraphMode.STATIC: => if self.mode != GraphMode.STATIC:',
         _ENUM_MEMBERS,
     ),
     Equivalent(
@@ -1047,7 +1048,8 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
     ),
     Equivalent(
         "overlapddp/reducer.py",
-        'if self.reductions or self.state is not ReducerState.IDLE or self.layouts.changed: => if self.reductions or self.state != ReducerState.IDLE or self._layouts.changed:',
+        'if self.reductions or self.state is not ReducerState.IDLE or self.layouts.changed: => '
+        'if self.reductions or self.state != ReducerState.IDLE or self.layouts.changed:',
         _ENUM_MEMBERS,
     ),
     Equivalent(
@@ -1077,7 +1079,8 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
     ),
     Equivalent(
         "overlapddp/reducer.py",
-        'while iteration.next_launch < len(self.pipelines) and self.pipelines[iteration.next_launch].filled: => while iteration.next_launch != len(self.pipelines) and self.pipelines[iteration.next_launch].filled:',
+        'while iteration.next_launch < len(self.pipelines) and not iteration.missing[iteration.next_launch]: => '
+        'while iteration.next_launch != len(self.pipelines) and not iteration.missing[iteration.next_launch]:',
         _NEXT_LAUNCH,
     ),
     Equivalent(
@@ -1092,12 +1095,14 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
     ),
     Equivalent(
         "overlapddp/reducer.py",
-        'return BucketPipeline(index, members, storage, self.stages, is_last=index == len(self.plan.buckets) - 1) => return BucketPipeline(index, members, storage, self._shared, is_last=index >= len(self.plan.buckets) - 1)',
+        'return BucketPipeline(index, members, storage, self.stages, is_last=index == len(self.plan.buckets) - 1) => '
+        'return BucketPipeline(index, members, storage, self.stages, is_last=index >= len(self.plan.buckets) - 1)',
         _BUCKET_INDEX,
     ),
     Equivalent(
         "overlapddp/reducer.py",
-        'return [p.index for p in self.pipelines if p.missing < len(p.members)] => return [p.index for p in self.pipelines if p.missing != len(p.members)]',
+        'return [p.index for p in self.pipelines if missing[p.index] < len(p.members)] => '
+        'return [p.index for p in self.pipelines if missing[p.index] != len(p.members)]',
         _MISSING,
     ),
 

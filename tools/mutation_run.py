@@ -148,7 +148,10 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     "overlapddp/integrations/lightning.py": ("tests/integrations/test_integrations_unit.py", "tests/integrations/test_frameworks.py"),
     "overlapddp/integrations/pytorch_lightning.py": ("tests/integrations/test_frameworks.py",),
     "overlapddp/integrations/transformers.py": ("tests/integrations/test_frameworks.py",),
-    "overlapddp/reducer.py": ("tests/test_reducer_unit.py", "tests/test_wrapper_unit.py", "tests/test_one_rank_parity.py", "tests/layout/test_ready_order.py", "tests/test_loops.py", "tests/test_parity.py"),
+    "overlapddp/reducer.py": (
+        "tests/test_reducer_unit.py", "tests/test_cuda_logic.py", "tests/test_one_rank_parity.py", "tests/test_wrapper_unit.py",
+        "tests/layout/test_ready_order.py", "tests/test_loops.py", "tests/test_parity.py",
+    ),
     "overlapddp/attachment.py": (
         "tests/test_attachment_unit.py", "tests/shard/test_shard_checks.py", "tests/test_refusals_unit.py", "tests/optim/test_optimizer_overlap_one_rank.py",
         "tests/test_wrapper_unit.py", "tests/shard/test_sharded_optimizer_one_rank.py", "tests/test_refusal_order.py",
