@@ -595,12 +595,6 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
     ),
 
     Equivalent(
-        "overlapddp/bucket/pipeline.py",
-        "return self.missing == 0 => return self.missing <= 0",
-        "missing counts down from the member count once per member: the reducer refuses a second gradient "
-        "of one parameter in a backward before it reaches the pipeline, so it never goes below 0",
-    ),
-    Equivalent(
         "overlapddp/module_sync.py",
         "if chunks[-1] and size + nbytes > BROADCAST_BUCKET_BYTES: => if chunks[- 0] and size + nbytes > BROADCAST_BUCKET_BYTES:",  # noqa: E501 (the line as cosmic-ray changes it)
         "chunks[-1] is empty only before the first tensor, when the one chunk is also chunks[0]; a chunk "
