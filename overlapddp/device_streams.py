@@ -17,7 +17,7 @@ from torch.futures import Future
 # The waits of the CUDA path, named by what each one orders (see fence.py and bucket/token_weighting.py).
 WAITS = (
     "gradient",  # the stream that fills a bucket waits for the other streams that accumulated its gradients
-    "produced",  # the communication stream (and the non-finite check) waits for the bucket's copy-in
+    "produced",  # the communication stream waits for the bucket's copy-in
     "collective",  # the communication stream waits for the collective's (or hook chain's) result
     "completed",  # the consumer stream waits for the communication stream before copy-out
     "released",  # the next copy-in (producer stream) waits for the previous copy-out (consumer stream)

@@ -13,9 +13,10 @@ Edges, per bucket and iteration, in the order they must happen:
    records this edge when the consumer waited, with the time the collective actually finished.
 4. *consumed*: a reader used the result (the copy into ``param.grad``, then the optimizer).
 
-:meth:`Fence.launch` is the only way to start a collective (it runs the producer's fill between edges
-0 and 1) and :meth:`Fence.complete` the only way to obtain a bucket's reduced tensor, so "no launch
-before the fill" and "no read before completion" hold by construction. A :class:`FenceLog` (a debug
+:meth:`Fence.launch` is the only way to start a collective (after the producer's fill, edges 0 and 1,
+run in the same call or by an earlier :meth:`Fence.fill`) and :meth:`Fence.complete` the only way to
+obtain a bucket's reduced tensor, so "no launch before the fill" and "no read before completion"
+hold by construction. A :class:`FenceLog` (a debug
 option) records every edge so tests can check the order without a GPU. The CUDA design (who records,
 who waits) is in docs/cuda.md.
 """
@@ -101,8 +102,11 @@ class Fence:
         # Future of each launched bucket's collective. Produced by ``launch`` (the autograd hook
         # thread), waited on by ``complete`` (the end-of-backward callback); cleared when consumed.
         self._in_flight: dict[int, Future] = {}
-        # Buffer each bucket's collective reads and writes, for the log; set by ``produced``.
+        # Buffer each bucket's collective reads and writes, for the log and the tuner's stamps; set
+        # by ``_produced``.
         self._buffers: dict[int, torch.Tensor] = {}
+        # Buckets filled (edge 1) and not launched yet: ``fill`` adds, ``launch`` takes; dropped by ``abandon``.
+        self._filled: set[int] = set()
         self.log: FenceLog | None = None
         self.iteration = 0
         # While logging: when each launched bucket's collective finished, a host-clock stamp filled by
@@ -133,15 +137,24 @@ class Fence:
         if self.stamps is not None and param is not None:
             self.stamps.gradient_ready(param)
 
-    def launch(self, bucket: int, fill: Callable[[], torch.Tensor], start: Callable[[], Future]) -> None:
-        """Edges 0 to 2, the only way to start a collective: ``fill`` writes every local gradient into
-        the bucket's buffer once nothing reads it any more (edge 0) and returns that buffer, which is
-        then produced (edge 1); ``start`` runs the collective after everything the producer did (edge 2)."""
-        if bucket in self._in_flight:
-            raise RuntimeError(f"Bucket {bucket} was launched twice without being completed in between.")
+    def fill(self, bucket: int, fill: Callable[[], torch.Tensor]) -> None:
+        """Edges 0 and 1: ``fill`` writes every local gradient into the bucket's buffer once nothing
+        reads it any more (edge 0) and returns that buffer, which is then produced (edge 1)."""
         self._filling(bucket)
         buffer = fill()
         self._produced(bucket, buffer)
+        self._filled.add(bucket)
+
+    def launch(self, bucket: int, fill: Callable[[], torch.Tensor] | None, start: Callable[[], Future]) -> None:
+        """Edge 2, the only way to start a collective: ``start`` runs it after everything the producer
+        did, ``fill`` first (edges 0 and 1) unless the bucket was filled already (:meth:`fill`)."""
+        if bucket in self._in_flight:
+            raise RuntimeError(f"Bucket {bucket} was launched twice without being completed in between.")
+        if fill is not None:
+            self.fill(bucket, fill)
+        if bucket not in self._filled:
+            raise RuntimeError(f"Bucket {bucket} was launched before it was filled.")
+        self._filled.discard(bucket)
         self._start(bucket, start)
 
     def _filling(self, bucket: int) -> None:
@@ -208,8 +221,9 @@ class Fence:
         self._record(-1, BACKWARD_END, "autograd engine")
 
     def end_iteration(self) -> None:
-        """Every bucket of this iteration was completed and consumed."""
+        """Every bucket of this iteration was completed and consumed (a skipped one only filled)."""
         self.iteration += 1
+        self._filled.clear()
 
     def make_visible(self, strict: bool, gradients: Sequence[torch.Tensor] = ()) -> None:
         """Order the caller, about to read or write ``gradients``, after every completed reduction
@@ -228,6 +242,7 @@ class Fence:
         hook's callback the tensors it writes."""
         dropped = self.in_flight()
         self._in_flight.clear()
+        self._filled.clear()
         self.iteration += 1
         return dropped
 
@@ -306,16 +321,15 @@ class CudaFence(Fence):
         producer = self._kit.current_stream()
         event = self._event(bucket, "produced")
         event.record(producer)
+        # The buffer may be dropped (a rebuild, an error) while the fill is still queued.
+        self._kit.record_stream(buffer, producer)
         super()._produced(bucket, buffer)
 
     def _start(self, bucket: int, start: Callable[[], Future]) -> None:
         with self._kit.use(self._comm_stream):
             self._kit.wait_event(self._comm_stream, self._event(bucket, "produced"), "produced")
-            # The buffer may be dropped (a rebuild, an error) while the fill or the collective is queued.
-            # Kept for this stream, it returns to the allocator only after this stream's work queued by
-            # then, which waits for the fill on the producer stream: one record covers both.
-            self._kit.record_stream(self._buffers[bucket], self._comm_stream)
             super()._start(bucket, start)
+            self._kit.record_stream(self._buffers[bucket], self._comm_stream)
 
     def _wait(self, future: Future) -> Any:
         return self._kit.wait_future(future, "collective")

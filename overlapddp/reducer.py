@@ -78,6 +78,7 @@ class _Iteration:
     marked: list[bool]  # per parameter: counted in (its bucket has it)
     fires: list[int]  # per parameter: hook firings (the modes that count them)
     missing: list[int]  # per bucket: members not counted in yet (0: the bucket may launch)
+    filled: set[int] = field(default_factory=set)  # buckets filled when complete, ahead of their launch
     unused: list[int] = field(default_factory=list)  # counted in without a gradient: no output reached them
     unused_marked: bool = False  # ``unused`` were counted in (at this backward's first gradient)
     next_launch: int = 0  # the next bucket to launch: buckets launch in index order
@@ -378,8 +379,11 @@ class Reducer:
             self.sync_flags.unarmed_backward(self.rank)
 
     def _count(self, index: int) -> None:
-        """One gradient is in its bucket's count (the fence notes its stream); launch every filled
-        bucket, in index order."""
+        """One gradient is in its bucket's count (the fence notes its stream). A bucket complete now is
+        filled and launched at once if every bucket before it has launched, then every complete bucket
+        after it launches, in index order; one complete ahead of its turn is filled now, as DDP copies
+        each gradient in at its hook (unless the non-finite check, a collective, must run in index
+        order with the fill), and launched in its turn."""
         iteration = self._iteration
         iteration.marked[index] = True
         self.state = ReducerState.REDUCING  # ARMED or LEARNING -> REDUCING: finalize is owed from here
@@ -388,18 +392,21 @@ class Reducer:
         iteration.missing[bucket] -= 1
         if iteration.missing[bucket]:
             return
-        while iteration.next_launch < len(self.pipelines) and not iteration.missing[iteration.next_launch]:
-            pipeline = self.pipelines[iteration.next_launch]
-            if not self._skipped(pipeline):
-                self._launch(pipeline)
-            iteration.next_launch += 1
-            if iteration.next_launch == len(self.pipelines) and self.options.searches_unused_each_forward:
-                if not self.reduction.issues_from_callbacks:  # else finalize launches it
-                    self._used.launch_reduction(self.process_group)
-
-    def _launch(self, pipeline: BucketPipeline) -> None:
         try:
-            pipeline.launch()
+            if bucket != iteration.next_launch and not self.stages.check_nonfinite:
+                self.pipelines[bucket].fill()
+                iteration.filled.add(bucket)
+            while iteration.next_launch < len(self.pipelines) and not iteration.missing[iteration.next_launch]:
+                pipeline = self.pipelines[iteration.next_launch]
+                filled = pipeline.index in iteration.filled
+                if not self._skipped(pipeline):
+                    pipeline.launch(filled)
+                elif not filled:
+                    pipeline.fill()  # filled as DDP fills it; no collective
+                iteration.next_launch += 1
+                if iteration.next_launch == len(self.pipelines) and self.options.searches_unused_each_forward:
+                    if not self.reduction.issues_from_callbacks:  # else finalize launches it
+                        self._used.launch_reduction(self.process_group)
         except FloatingPointError:  # the non-finite check: every rank stops before this bucket
             self._abandon()
             raise

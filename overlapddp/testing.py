@@ -59,6 +59,7 @@ class DelayedFence(Fence):
         self.inner = inner
         self.seconds = seconds
         self.stage = stage
+        self._on_cuda: dict[int, bool] = {}  # per bucket, from its last fill
 
     @property
     def log(self) -> FenceLog | None:
@@ -79,27 +80,30 @@ class DelayedFence(Fence):
     def gradient_ready(self, bucket: int, param: int | None = None) -> None:
         self.inner.gradient_ready(bucket, param)
 
-    def launch(self, bucket: int, fill: Callable[[], torch.Tensor], start: Callable[[], Future]) -> None:
-        if self.stage == "production":
+    def fill(self, bucket: int, fill: Callable[[], torch.Tensor]) -> None:
+        self.inner.fill(bucket, self._delayed_fill(bucket, fill))
 
-            def late_fill() -> torch.Tensor:
-                self._sleep_where_the_copy_runs()
-                return fill()
-
-            self.inner.launch(bucket, late_fill, start)
-        elif self.stage == "launch":
+    def launch(self, bucket: int, fill: Callable[[], torch.Tensor] | None, start: Callable[[], Future]) -> None:
+        fill = None if fill is None else self._delayed_fill(bucket, fill)
+        if self.stage == "launch":
             time.sleep(self.seconds)
             self.inner.launch(bucket, fill, lambda: _after_device_sleep(start, self.seconds))
         elif self.stage == "completion":
-            filled: list[torch.Tensor] = []
-
-            def noted_fill() -> torch.Tensor:
-                filled.append(fill())
-                return filled[0]
-
-            self.inner.launch(bucket, noted_fill, lambda: _resolve_late(start(), self.seconds, filled[0].is_cuda))
+            self.inner.launch(bucket, fill, lambda: _resolve_late(start(), self.seconds, self._on_cuda[bucket]))
         else:
             self.inner.launch(bucket, fill, start)
+
+    def _delayed_fill(self, bucket: int, fill: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """``fill``, late at the production stage; notes where the bucket lives (for the completion stage)."""
+
+        def delayed() -> torch.Tensor:
+            if self.stage == "production":
+                self._sleep_where_the_copy_runs()
+            buffer = fill()
+            self._on_cuda[bucket] = buffer.is_cuda
+            return buffer
+
+        return delayed
 
     def complete(self, bucket: int) -> object:
         value = self.inner.complete(bucket)

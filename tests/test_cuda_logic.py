@@ -53,11 +53,12 @@ def test_one_bucket_cycle_records_and_waits_in_order():
         fence.make_visible(strict=False, gradients=grads)
     with kit.use(kit.stream("producer")):
         fence.launch(0, lambda: kit.calls.append(("fill",)) or buffer, lambda: _done([buffer]))
-    assert kit.calls[:16] == [
+    assert kit.calls[:17] == [
         ("fill",),
         ("record", "e1", "producer"),  # produced: on the stream that filled the bucket
+        ("record_stream", _ptr(buffer), "producer"),
         ("wait_event", "side1", "e1", "produced"),  # the communication stream waits for the copy-in
-        ("record_stream", _ptr(buffer), "side1"),  # which its record then covers
+        ("record_stream", _ptr(buffer), "side1"),
         ("wait_future", "side1", "collective"),
         ("record", "e2", "side1"),
         ("wait_event", "consumer", "e2", "completed"),
@@ -113,32 +114,45 @@ def _backward(reducer: Reducer, params: list[torch.Tensor], kit: RecordingKit) -
     for p in params:
         p.grad = torch.full_like(p, 2.0)
     with kit.use(kit.stream("hook a")):
-        reducer.mark_ready(0)  # completes bucket 1; bucket 0 is still missing, so nothing launches
+        reducer.mark_ready(0)  # fills bucket 1 (complete ahead of bucket 0, still missing): nothing launches
     with kit.use(kit.stream("hook b")):
-        reducer.mark_ready(1)  # completes bucket 0: fills and launches buckets 0 and 1
+        reducer.mark_ready(1)  # fills and launches bucket 0, then launches bucket 1
     with kit.use(kit.stream("consumer")):
         reducer.finalize()
 
 
-def test_a_bucket_is_filled_where_it_launches_after_its_gradients_streams_and_the_next_fill_waits_for_the_copy_out(
-    one_rank,
-):
+def test_produced_is_recorded_where_the_bucket_was_filled_and_the_next_fill_waits_for_the_copy_out(one_rank):
     kit = RecordingKit()
     reducer, params = _two_bucket_reducer(kit)
     _backward(reducer, params, kit)
     records = {event: stream for call, event, stream in (c for c in kit.calls if c[0] == "record")}
     waits = [c for c in kit.calls if c[0] == "wait_event"]
     produced = [event for _, stream, event, edge in waits if edge == "produced"]
-    assert [records[e] for e in produced] == ["hook b", "hook b"]  # buckets 0 and 1, both launched from hook b
-    gradients = [(stream, records[event]) for _, stream, event, edge in waits if edge == "gradient"]
-    assert gradients == [("hook b", "hook a")]  # bucket 1's gradient came from hook a: its fill waits for it
+    assert [records[e] for e in produced] == ["hook b", "hook a"]  # bucket 0 then 1, each where filled
     assert not [w for w in waits if w[3] == "released"]  # the first fills follow no copy-out
     _backward(reducer, params, kit)
     second = [c for c in kit.calls if c[0] == "wait_event" and c[3] == "released"]
     records = {event: stream for call, event, stream in (c for c in kit.calls if c[0] == "record")}
     waited_for = [(stream, records[event]) for _, stream, event, _ in second]
-    assert waited_for == [("hook b", "consumer"), ("hook b", "consumer")]
+    assert waited_for == [("hook a", "consumer"), ("hook b", "consumer")]
     assert [p.grad.tolist() for p in params] == [[2.0] * 3, [2.0] * 2]
+
+
+def test_with_the_nonfinite_check_a_bucket_complete_ahead_is_filled_at_its_launch_in_index_order(one_rank):
+    # The check is a collective: run inside the fill, the fills must come in index order on every rank.
+    kit = RecordingKit()
+    params = [torch.ones(3, requires_grad=True), torch.ones(2, requires_grad=True)]
+    reducer = Reducer(
+        params, ["a", "b"], dist.group.WORLD, CudaFence(CPU, kit=kit), BucketCaps.from_user(None, None), [False] * 2,
+        check_nonfinite=True,
+    )
+    reducer._install_plan(explicit_plan(params, [[1], [0]]))
+    _backward(reducer, params, kit)
+    records = {event: stream for call, event, stream in (c for c in kit.calls if c[0] == "record")}
+    produced = [event for _, stream, event, edge in (c for c in kit.calls if c[0] == "wait_event") if edge == "produced"]
+    assert [records[e] for e in produced] == ["hook b", "hook b"]  # bucket 1 waited for bucket 0's launch
+    gradients = [c for c in kit.calls if c[0] == "wait_event" and c[3] == "gradient"]
+    assert len(gradients) == 1, "bucket 1's fill on hook b waits for hook a's gradient"
 
 
 # -- refusing a module on several GPUs --------------------------------------------------------------
@@ -377,6 +391,4 @@ def test_each_bucket_makes_its_events_once_and_records_them_again(one_rank):
     _backward(reducer, params, kit)
     first = kit._events
     _backward(reducer, params, kit)
-    # produced, completed, released per bucket, made once; and per backward one event for the gradient
-    # that hook a's stream accumulated into bucket 1, which hook b's stream fills
-    assert first == 6 + 1 and kit._events == first + 1
+    assert first == 6 and kit._events == first  # produced, completed, released per bucket, once

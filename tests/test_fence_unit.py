@@ -238,3 +238,23 @@ def test_a_logged_edge_cannot_be_rewritten() -> None:
     edge = _edge(0, 0, "produced")
     with pytest.raises(AttributeError):
         edge.edge = "completed"  # type: ignore[misc]
+
+
+def test_a_bucket_filled_ahead_launches_without_a_second_fill_and_none_launches_unfilled() -> None:
+    fence = Fence()
+    fills: list[int] = []
+    fence.fill(3, lambda: fills.append(3) or torch.zeros(1))
+    fence.launch(3, None, lambda: _done(None))  # filled when it completed, ahead of its turn
+    assert fills == [3] and fence.in_flight() == [3]
+    fence.complete(3)
+    with pytest.raises(RuntimeError, match="Bucket 3 was launched before it was filled"):
+        fence.launch(3, None, lambda: _done(None))  # last iteration's fill does not count
+    fence.fill(4, lambda: torch.zeros(1))
+    fence.abandon()
+    with pytest.raises(RuntimeError, match="Bucket 4 was launched before it was filled"):
+        fence.launch(4, None, lambda: _done(None))  # nor one from a dropped iteration
+    fence.fill(5, lambda: torch.zeros(1))  # a skipped bucket: filled, never launched
+    fence.end_iteration()
+    with pytest.raises(RuntimeError, match="Bucket 5 was launched before it was filled"):
+        fence.launch(5, None, lambda: _done(None))
+

@@ -900,3 +900,33 @@ def test_mixed_precision_leaves_ignored_parameters_in_full_precision(one_rank: N
     model(torch.ones(4, 3))
     assert [(n, p.dtype) for n, p in net.named_parameters()][1:4] == [
         ("0.bias", torch.bfloat16), ("0.kept", torch.float32), ("1.weight", torch.bfloat16)]
+
+
+class _OptionalBranch(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return self.b(self.a(x)) if use_b else self.a(x)
+
+
+def test_a_skipped_bucket_of_local_gradients_becomes_its_views_as_in_ddp(one_rank) -> None:
+    # skip_all_reduce_unused_params: DDP still copies a skipped bucket's gradients into its views.
+    seen = []
+    for wrap in (torch.nn.parallel.DistributedDataParallel, OverlapDDP):
+        torch.manual_seed(0)
+        module = _OptionalBranch()
+        model = wrap(module, find_unused_parameters=True, skip_all_reduce_unused_params=True,
+                     gradient_as_bucket_view=True, bucket_cap_mb=1e-5)
+        x = torch.ones(2, 4)
+        model(x, False).sum().backward()
+        with model.no_sync():
+            model(x, True).sum().backward()  # b's gradient stays local
+        local = module.b.bias.grad
+        model(x, False).sum().backward()  # synchronized, b unused: its bucket is skipped
+        grads = [module.b.weight.grad, module.b.bias.grad]
+        seen.append((grads[1] is local, [g._base is not None for g in grads], [g.clone() for g in grads]))
+    (ddp_local, ddp_views, ddp_grads), (local, views, grads) = seen
+    assert (local, views) == (ddp_local, ddp_views) == (False, [True, True])
+    assert all(torch.equal(a, b) for a, b in zip(grads, ddp_grads, strict=True))

@@ -114,8 +114,11 @@ MUTATIONS = (
         "launch_before_copy_in",
         "a complete bucket's collective starts before its gradients are copied into its buffer",
         "overlapddp/fence.py",
-        "        buffer = fill()\n        self._produced(bucket, buffer)\n        self._start(bucket, start)\n",
-        "        self._start(bucket, start)\n        buffer = fill()\n        self._produced(bucket, buffer)\n",
+        "        if fill is not None:\n            self.fill(bucket, fill)\n        if bucket not in self._filled:\n"
+        "            raise RuntimeError(f\"Bucket {bucket} was launched before it was filled.\")\n"
+        "        self._filled.discard(bucket)\n        self._start(bucket, start)\n",
+        "        self._start(bucket, start)\n        if fill is not None:\n            self.fill(bucket, fill)\n"
+        "        self._filled.discard(bucket)\n",
         (HANDED_OVER,),
     ),
     Mutation(

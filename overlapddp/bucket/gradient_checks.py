@@ -19,7 +19,7 @@ class GradientWriteWatch:
     """Per bucket, each gradient and its version when copied in; checked when the bucket is written back.
 
     Active while any optimizer guard is attached (``watchers``: each guard counts itself in and out);
-    ``taken`` runs at the copy-in, ``check`` before the copy-out.
+    ``taken`` runs right after the copy-in, ``check`` before the copy-out.
     """
 
     def __init__(self, names: Sequence[str], params: Sequence[torch.Tensor], rank: int) -> None:

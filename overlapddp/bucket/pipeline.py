@@ -41,11 +41,11 @@ class SharedStages:
     progress: ProgressRecord  # where this rank is, named when a bucket's wait fails
     names: list[str]  # parameter names, by reducer index
     gradient_as_bucket_view: bool
-    check_nonfinite: bool = False  # before each launch (a debug option): see gradient_checks.nonfinite_error
+    check_nonfinite: bool = False  # in each fill (a debug option): see gradient_checks.nonfinite_error
 
 
 class BucketPipeline:
-    """Bucket ``index`` (parameters ``members``) from its launch to its ``param.grad`` writes."""
+    """Bucket ``index`` (parameters ``members``) from its fill to its ``param.grad`` writes."""
 
     def __init__(
         self,
@@ -65,20 +65,39 @@ class BucketPipeline:
     def params(self) -> list[torch.Tensor]:
         return self.storage.params
 
-    def launch(self) -> None:
-        """Every member's gradient is accumulated: fill the buffer, scaled as DDP scales it, and start
-        the collective over it (the fence runs both, edges 0 to 2).
+    def fill(self) -> None:
+        """Every member's gradient is accumulated, but the bucket may not launch yet (an earlier one
+        is incomplete, or it is skipped): fill the buffer now, scaled as DDP scales it (edges 0 and 1),
+        so that with ``gradient_as_bucket_view`` the gradients are the scaled views as in DDP."""
+        self._shared.fence.fill(self.index, self._fill())
+        self._filled()
+
+    def launch(self, filled: bool) -> None:
+        """Start the collective (edge 2), after filling the buffer in the same fence call unless it was
+        ``filled`` at its completion (usually it was not: a bucket launches as it completes).
 
         With the non-finite check on, a bad gradient raises ``FloatingPointError`` on every rank
         instead (nothing launched)."""
         shared, storage = self._shared, self.storage
-        fill = partial(shared.reduction.copy_in, storage)
-        if shared.check_nonfinite:
-            fill = partial(self._fill_checked, fill)
         with torch.autograd.profiler.record_function(f"overlapddp.bucket_{self.index}.launch"):
-            shared.fence.launch(self.index, fill, lambda: shared.reduction.start(self.hook_bucket(storage.buffer)))
+            shared.fence.launch(
+                self.index, None if filled else self._fill(),
+                lambda: shared.reduction.start(self.hook_bucket(storage.buffer)),
+            )
+        if not filled:
+            self._filled()
+
+    def _fill(self) -> Callable[[], torch.Tensor]:
+        """What the fence runs between edges 0 and 1: DDP's scaled copy-in (then the non-finite check)."""
+        fill = partial(self._shared.reduction.copy_in, self.storage)
+        return partial(self._fill_checked, fill) if self._shared.check_nonfinite else fill
+
+    def _filled(self) -> None:
+        """After the fill: the gradients become the bucket's views, or the guard notes their versions."""
+        shared, storage = self._shared, self.storage
         if shared.gradient_as_bucket_view:
-            storage.point_grads_at_views()
+            # The fill may still be reading the replaced gradients on this stream (they were made on theirs).
+            shared.fence.keep_for_current_stream(storage.point_grads_at_views())
         elif shared.write_watch.watchers:
             shared.write_watch.taken(self.index, self.members, storage.params)
 

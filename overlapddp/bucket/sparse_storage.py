@@ -81,8 +81,9 @@ class SparseBucketStorage:
         if self.params[0].grad is self.buffer:
             self.params[0].grad = None
 
-    def point_grads_at_views(self) -> None:
+    def point_grads_at_views(self) -> list[torch.Tensor]:
         """Nothing to do: the gradient is the bucket (``gradient_as_bucket_view`` included)."""
+        return []
 
     def copy_out(self, result: torch.Tensor, write: Sequence[bool], as_view: bool) -> None:
         """Write the reduced sparse ``result`` into the gradient tensor the bucket adopted."""

@@ -116,11 +116,15 @@ class BucketStorage:
             if self.aliases(slot, param.grad):
                 param.grad = None
 
-    def point_grads_at_views(self) -> None:
-        """Make each defined ``param.grad`` its bucket view (``gradient_as_bucket_view``)."""
+    def point_grads_at_views(self) -> list[torch.Tensor]:
+        """Make each defined ``param.grad`` its bucket view (``gradient_as_bucket_view``); returns the
+        gradients it replaced."""
+        replaced = []
         for param, view in zip(self.params, self.views, strict=True):
             if param.grad is not None and param.grad is not view:
+                replaced.append(param.grad)
                 param.grad = view
+        return replaced
 
     def copy_out(self, result: torch.Tensor, write: Sequence[bool], as_view: bool) -> None:
         """Write the reduced flat ``result`` into the ``.grad`` of every parameter marked in ``write``.

@@ -11,8 +11,9 @@ Inf or NaN), so with either only their per-bucket work (norms, unscaling) overla
 and the updates run after the last bucket.
 
 What a loop line means is kept or refused, never silently changed: a gradient changed in place after
-the updates (``clip_grad_norm_``, ``GradScaler.unscale_``) or a hyperparameter changed after the
-update used it (an lr set between backward and ``step()``) raises at ``step()``; a ``step()`` skipped
+the updates (``clip_grad_norm_``, ``GradScaler.unscale_``) or a hyperparameter or parameter group
+changed after the update used it (an lr set, a group added between backward and ``step()``) raises
+at ``step()``; a ``step()`` skipped
 after an update that already ran raises at the next ``zero_grad()`` or backward. One read cannot be
 seen: parameters read between backward and ``step()`` already hold their new values (the mode's
 contract, stated in ``attach_optimizer``).
@@ -77,7 +78,7 @@ class OverlappedOptimizer:
         # Version counter of each gradient after the updates: a later in-place change (a user's
         # clip_grad_norm_ or GradScaler.unscale_) could not be honored and is reported at step().
         self._versions: list[tuple[torch.Tensor, int]] = []
-        # The hyperparameters of each group as the last updates used them (None: no update since the
+        # Each group's parameters and hyperparameters as the last updates used them (None: no update since the
         # last step): step() checks the loop did not change them after backward, zero_grad() and the
         # next backward that step() acknowledged the update.
         self._used: list[dict[str, Any]] | None = None

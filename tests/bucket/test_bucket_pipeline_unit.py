@@ -66,17 +66,17 @@ def test_the_nonfinite_check_stops_the_launch_with_its_error(monkeypatch: pytest
     fence = Fence()
     pipeline = _pipeline([0], fence, check_nonfinite=True)
     with pytest.raises(FloatingPointError, match="layer0.weight is not finite"):
-        pipeline.launch()
+        pipeline.launch(filled=False)
     assert checked == [(4, [0])] and fence.in_flight() == [], "nothing launched"
     monkeypatch.setattr(bucket_pipeline, "nonfinite_error", lambda *args: None)
-    pipeline.launch()
+    pipeline.launch(filled=False)
     assert fence.in_flight() == [4]
 
 
 def test_without_the_check_nothing_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bucket_pipeline, "nonfinite_error", lambda *args: pytest.fail("checked"))
     fence = Fence()
-    _pipeline([0], fence).launch()
+    _pipeline([0], fence).launch(filled=False)
     assert fence.in_flight() == [4]
 
 
@@ -112,7 +112,7 @@ def test_while_measuring_the_fence_stamps_each_launchs_bytes_and_each_hand_over(
     pipeline = _pipeline([0, 1], fence)
     pipeline.storage.buffer = torch.zeros(5, dtype=torch.float64)  # 40 bytes
     pipeline._shared.reduction.start = lambda bucket: _resolved(bucket.buffer())
-    pipeline.launch()
+    pipeline.launch(filled=False)
     (launch,) = fence.stamps.launches
     assert (launch.bucket, launch.nbytes, launch.launched, launch.done) == (4, 40, 2, ["done"])
     pipeline.write_back([True, True], [Taking()])
@@ -127,7 +127,7 @@ def test_each_consumer_takes_the_completed_bucket_in_order() -> None:
     order: list[str] = []
     first.take = lambda bucket, taken=first.take: (order.append("first"), taken(bucket))  # type: ignore[method-assign]
     second.take = lambda bucket, taken=second.take: (order.append("second"), taken(bucket))  # type: ignore[method-assign]
-    pipeline.launch()
+    pipeline.launch(filled=False)
     pipeline.write_back([True, False], [first, second])
     assert order == ["first", "second"]
     assert first.taken == second.taken == [(4, [True, False], pipeline.storage.buffer)]
@@ -137,7 +137,7 @@ def test_without_the_tuner_nothing_is_timed() -> None:
     fence = Fence()
     pipeline = _pipeline([0], fence)
     pipeline._shared.reduction.start = lambda bucket: _resolved(bucket.buffer())
-    pipeline.launch()
+    pipeline.launch(filled=False)
     pipeline.write_back([True], [])
     assert fence.in_flight() == [] and fence.stamps is None
 
@@ -170,7 +170,7 @@ def test_the_fence_hears_which_gradients_the_copy_out_wrote() -> None:
     pipeline.storage.params = [with_grad, without]
     pipeline.storage.copy_out = lambda result, write, as_view: None
     pipeline._shared.reduction.start = lambda bucket: _resolved(bucket.buffer())
-    pipeline.launch()
+    pipeline.launch(filled=False)
     pipeline.write_back([True, False], [])
     assert len(fence.written) == 1 and len(fence.written[0]) == 1 and fence.written[0][0] is with_grad.grad
 
@@ -183,5 +183,16 @@ def test_the_launch_fills_the_bucket_before_its_collective_starts_and_the_check_
     pipeline = _pipeline([0, 1], Fence(), check_nonfinite=True)
     pipeline._shared.reduction.copy_in = lambda storage: order.append("fill") or storage.buffer
     pipeline._shared.reduction.start = lambda bucket: order.append("start") or _resolved(bucket.buffer())
-    pipeline.launch()
+    pipeline.launch(filled=False)
     assert order == ["fill", "check", "start"]
+
+
+def test_a_bucket_filled_at_its_completion_is_not_filled_again_at_its_launch() -> None:
+    order: list[str] = []
+    pipeline = _pipeline([0, 1], Fence())
+    pipeline._shared.reduction.copy_in = lambda storage: order.append("fill") or storage.buffer
+    pipeline._shared.reduction.start = lambda bucket: order.append("start") or _resolved(bucket.buffer())
+    pipeline.fill()
+    pipeline.launch(filled=True)
+    assert order == ["fill", "start"]
+
