@@ -748,3 +748,21 @@ def test_a_consumer_is_refused_once_a_gradient_is_taken_even_with_nothing_in_fli
     assert reducer.fence.in_flight() == [] and reducer.state is ReducerState.REDUCING
     with pytest.raises(RuntimeError, match="recording can only be attached between iterations; the reducer is reducing"):
         reducer.attach(Recording(reducer, []))
+
+
+def test_the_usage_all_reduce_starts_once_after_the_last_bucket_launched(one_rank: None) -> None:
+    """One all-reduce of the usage flags per backward of the dynamic search, after every bucket's: an
+    earlier one would send flags that later gradients have not set yet."""
+    reducer = _reducer(options=ReducerOptions(find_unused_parameters=True))
+    usage = reducer._usage
+    assert usage is not None
+    launched: list[list[int]] = []  # the buckets in flight at each launch of the usage all-reduce
+    launch = usage.launch_reduction
+    usage.launch_reduction = lambda group: (launched.append(list(reducer.fence.in_flight())), launch(group))[-1]  # type: ignore[method-assign]
+    reducer.prepare_for_forward()
+    reducer.prepare_for_backward([sum(p.sum() for p in reducer.params)])  # every parameter used
+    for i in (2, 1, 0):
+        _grad(reducer, i, 1.0)
+        reducer.mark_ready(i)
+    reducer.finalize()
+    assert launched == [[0, 1, 2]]
