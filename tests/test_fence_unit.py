@@ -10,6 +10,7 @@ import torch
 from torch.futures import Future
 
 from overlapddp import fence as fence_module
+from overlapddp.clock import BucketStamps, HostClock
 from overlapddp.fence import BACKWARD_END, CudaFence, Fence, FenceEdge, FenceLog, _address, _tensors_of, fence_for
 from tests.support.fake_cuda import RecordingKit
 
@@ -258,3 +259,28 @@ def test_a_bucket_filled_ahead_launches_without_a_second_fill_and_none_launches_
     with pytest.raises(RuntimeError, match="Bucket 5 was launched before it was filled"):
         fence.launch(5, None, lambda: _done(None))
 
+
+
+def test_while_measuring_every_bucket_is_stamped_at_each_edge_and_the_delayed_key_at_none() -> None:
+    class Ticks(HostClock):
+        def __init__(self) -> None:
+            self.ticks = 0
+
+        def now(self) -> int:  # type: ignore[override]
+            self.ticks += 1
+            return self.ticks
+
+        def done(self, future: Future) -> str:  # type: ignore[override]
+            return "done"
+
+    fence = Fence()
+    fence.stamps = stamps = BucketStamps(Ticks(), 3)
+    fence.gradient_ready(2, 1)
+    fence.gradient_ready(-2)  # the delayed all-reduce's gradients name no parameter of a bucket
+    for bucket in (0, 2, -2):  # two buckets, then the delayed all-reduce's key
+        fence.launch(bucket, lambda: torch.zeros(3, dtype=torch.float64), lambda: _done(None))
+        fence.complete(bucket)
+        fence.consumed(bucket, "copy to param.grad")
+    assert stamps.ready == [None, 2, None]
+    assert [(s.bucket, s.nbytes, s.launched, s.done) for s in stamps.launches] == [(0, 24, 3, "done"), (2, 24, 6, "done")]
+    assert stamps.completed == {0: 4, 2: 7} and stamps.consumed == {0: 5, 2: 8}
