@@ -608,8 +608,8 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
     ),
     Equivalent(
         "overlapddp/bucket/pipeline.py",
-        "check_nonfinite: bool = False  # before each launch (a debug option): see gradient_checks.nonfinite_error => "
-        "check_nonfinite: bool = True  # before each launch (a debug option): see gradient_checks.nonfinite_error",
+        "check_nonfinite: bool = False  # in each fill (a debug option): see gradient_checks.nonfinite_error => "
+        "check_nonfinite: bool = True  # in each fill (a debug option): see gradient_checks.nonfinite_error",
         "the default is never used: the reducer, which builds every SharedStages, passes check_nonfinite",
     ),
     Equivalent(
@@ -1076,6 +1076,13 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         'while iteration.next_launch < len(self.pipelines) and not iteration.missing[iteration.next_launch]: => '
         'while iteration.next_launch != len(self.pipelines) and not iteration.missing[iteration.next_launch]:',
         _NEXT_LAUNCH,
+    ),
+    Equivalent(
+        "overlapddp/reducer.py",
+        "if bucket != iteration.next_launch and not self.stages.check_nonfinite: => "
+        "if bucket > iteration.next_launch and not self.stages.check_nonfinite:",
+        "a bucket completes once per backward (a second gradient for a member is refused before it counts), and "
+        "every bucket below next_launch launched complete: the bucket completing now is never below next_launch",
     ),
     Equivalent(
         "overlapddp/reducer.py",
