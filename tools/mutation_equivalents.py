@@ -1079,13 +1079,6 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
     ),
     Equivalent(
         "overlapddp/reducer.py",
-        "if bucket != iteration.next_launch and not self.stages.check_nonfinite: => "
-        "if bucket > iteration.next_launch and not self.stages.check_nonfinite:",
-        "a bucket completes once per backward (a second gradient for a member is refused before it counts), and "
-        "every bucket below next_launch launched complete: the bucket completing now is never below next_launch",
-    ),
-    Equivalent(
-        "overlapddp/reducer.py",
         'return iteration.next_launch == len(self.pipelines) => return iteration.next_launch >= len(self.pipelines)',
         _NEXT_LAUNCH,
     ),
