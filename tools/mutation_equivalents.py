@@ -1079,6 +1079,13 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
     ),
     Equivalent(
         "overlapddp/reducer.py",
+        "if bucket != iteration.next_launch and not self.stages.check_nonfinite: => "
+        "if bucket > iteration.next_launch and not self.stages.check_nonfinite:",
+        "a bucket completes once per backward (a second gradient for a member is refused before it counts), and "
+        "every bucket below next_launch launched complete: the bucket completing now is never below next_launch",
+    ),
+    Equivalent(
+        "overlapddp/reducer.py",
         'return iteration.next_launch == len(self.pipelines) => return iteration.next_launch >= len(self.pipelines)',
         _NEXT_LAUNCH,
     ),
@@ -1139,12 +1146,6 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
         "if index >= -1:  # the delayed all-reduce (a negative key) renews its own buffer",
         "the keys in flight are bucket indices and the delayed all-reduce's FENCE_KEY, -2; -1 only marks the end "
         "of backward in the fence's logs",
-    ),
-    Equivalent(
-        "overlapddp/reducer.py",
-        "for pipeline in self.pipelines: => for pipeline in []:",
-        "(the reset in _abandon; the other loops over the pipelines are killed) prepare_for_backward resets every "
-        "pipeline before a gradient of the next iteration counts, and an idle reducer reads no pipeline's count",
     ),
     Equivalent(
         "overlapddp/wrapper.py",
