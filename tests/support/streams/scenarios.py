@@ -421,20 +421,6 @@ def _views_two_streams(sim: Sim) -> None:
     train(sim, model, opt)
 
 
-@scenario("gradient_as_bucket_view: a bucket filled at its launch from another stream's hook")
-def _views_filled_from_another_stream(sim: Sim) -> None:
-    # With the non-finite check the fill waits for the launch (the check is a collective, in index
-    # order), so the side branch's bucket is filled from the trunk's hook, on the default stream.
-    module = _TwoBranches(sim)
-    model = wrap(sim, module, bucket_cap_mb=40 / 2**20, gradient_as_bucket_view=True)
-    model.load_bucket_state({"ready_order": [0, 1, 2, 3, 5, 4, 6, 7], "tuned_buckets": None})
-    assert model.bucket_indices()[-1] == [6, 7], model.bucket_indices()
-    model.check_nonfinite_gradients()
-    opt = sgd(model)
-    model.attach_optimizer(opt)
-    train(sim, model, opt)
-
-
 @scenario("delayed all-reduce of gradients produced on another stream")
 def _delayed_two_streams(sim: Sim) -> None:
     module = _TwoBranches(sim)
