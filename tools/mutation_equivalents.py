@@ -723,6 +723,12 @@ EQUIVALENTS: tuple[Equivalent, ...] = (
     ),
     Equivalent(
         "overlapddp/fence.py",
+        "if stamps is not None and bucket >= 0: => if stamps is not None and bucket >= -1:",
+        "no collective is launched under key -1 (the log's backward end); the only negative launch key is the "
+        "delayed all-reduce's -2, left out either way",
+    ),
+    Equivalent(
+        "overlapddp/fence.py",
         "if e.edge == BACKWARD_END: => if e.edge <= BACKWARD_END:",
         "a fence records only 'backward end' and the four bucket edges, each of which sorts after it",
     ),
