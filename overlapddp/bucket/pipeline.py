@@ -5,8 +5,10 @@ hand-over to the consumers, with every fence edge it passes on the way. The redu
 gradients and decides *when* (its state machine); it never touches a bucket's buffer or the hook's
 result. Per synchronized backward, one bucket goes through:
 
-``launch()`` once every member's gradient is accumulated (the fence fills the buffer, scaled as DDP
-scales it, edges 0 and 1, then starts the scaled sum or the comm hook on a ``Bucket``, edge 2) ->
+``launch()`` once every member's gradient is accumulated and every bucket before it has launched
+(the fence fills the buffer, scaled as DDP scales it, edges 0 and 1, then starts the scaled sum or
+the comm hook on a ``Bucket``, edge 2; a bucket complete ahead of its turn is filled by ``fill()``
+then, and launched without a second fill) ->
 ``write_back(write, consumers)`` (the fence completes it, edge 3; each consumer takes it, the first
 being DDP's copy into ``param.grad``: reduction.py; edge 4). What every bucket of one reducer shares
 (the fence, the divisor and hook, the guard's write watch, the desync records) is one
@@ -68,8 +70,10 @@ class BucketPipeline:
     def fill(self) -> None:
         """Every member's gradient is accumulated, but the bucket may not launch yet (an earlier one
         is incomplete, or it is skipped): fill the buffer now, scaled as DDP scales it (edges 0 and 1),
-        so that with ``gradient_as_bucket_view`` the gradients are the scaled views as in DDP."""
-        self._shared.fence.fill(self.index, self._fill())
+        so that with ``gradient_as_bucket_view`` the gradients are the scaled views as in DDP. Never
+        checked for non-finite values: that check is a collective, run by the launches (the reducer
+        fills ahead only without it, and a skipped bucket launches nothing on any rank)."""
+        self._shared.fence.fill(self.index, partial(self._shared.reduction.copy_in, self.storage))
         self._filled()
 
     def launch(self, filled: bool) -> None:

@@ -196,3 +196,11 @@ def test_a_bucket_filled_at_its_completion_is_not_filled_again_at_its_launch() -
     pipeline.launch(filled=True)
     assert order == ["fill", "start"]
 
+
+
+def test_a_fill_ahead_of_the_launch_never_runs_the_nonfinite_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The check is a collective: a skipped bucket is filled on some ranks only, and must issue none.
+    monkeypatch.setattr(bucket_pipeline, "nonfinite_error", lambda *args: pytest.fail("checked"))
+    fence = Fence()
+    _pipeline([0], fence, check_nonfinite=True).fill()
+    assert fence.in_flight() == []
