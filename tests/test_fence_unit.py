@@ -10,9 +10,10 @@ import torch
 from torch.futures import Future
 
 from overlapddp import fence as fence_module
-from overlapddp.clock import BucketStamps, HostClock
+from overlapddp.clock import BucketStamps
 from overlapddp.fence import BACKWARD_END, CudaFence, Fence, FenceEdge, FenceLog, _address, _tensors_of, fence_for
 from tests.support.fake_cuda import RecordingKit
+from tests.support.ticking_clock import DONE, Ticks
 
 
 def _edge(iteration: int, bucket: int, edge: str, buffer: int = 1) -> FenceEdge:
@@ -262,17 +263,6 @@ def test_a_bucket_filled_ahead_launches_without_a_second_fill_and_none_launches_
 
 
 def test_while_measuring_every_bucket_is_stamped_at_each_edge_and_the_delayed_key_at_none() -> None:
-    class Ticks(HostClock):
-        def __init__(self) -> None:
-            self.ticks = 0
-
-        def now(self) -> int:  # type: ignore[override]
-            self.ticks += 1
-            return self.ticks
-
-        def done(self, future: Future) -> str:  # type: ignore[override]
-            return "done"
-
     fence = Fence()
     fence.stamps = stamps = BucketStamps(Ticks(), 3)
     fence.gradient_ready(2, 1)
@@ -282,5 +272,5 @@ def test_while_measuring_every_bucket_is_stamped_at_each_edge_and_the_delayed_ke
         fence.complete(bucket)
         fence.consumed(bucket, "copy to param.grad")
     assert stamps.ready == [None, 2, None]
-    assert [(s.bucket, s.nbytes, s.launched, s.done) for s in stamps.launches] == [(0, 24, 3, "done"), (2, 24, 6, "done")]
+    assert [(s.bucket, s.nbytes, s.launched, s.done) for s in stamps.launches] == [(0, 24, 3, DONE), (2, 24, 6, DONE)]
     assert stamps.completed == {0: 4, 2: 7} and stamps.consumed == {0: 5, 2: 8}

@@ -13,8 +13,9 @@ from torch.futures import Future
 from overlapddp.bucket import pipeline as bucket_pipeline
 from overlapddp.bucket.consumer import ReducedBucket
 from overlapddp.bucket.pipeline import BucketPipeline, SharedStages
-from overlapddp.clock import BucketStamps, HostClock
+from overlapddp.clock import BucketStamps
 from overlapddp.fence import Fence
+from tests.support.ticking_clock import DONE, Ticks
 
 
 def _pipeline(members: list[int], fence: Fence, check_nonfinite: bool = False) -> BucketPipeline:
@@ -80,20 +81,6 @@ def test_without_the_check_nothing_is_checked(monkeypatch: pytest.MonkeyPatch) -
     assert fence.in_flight() == [4]
 
 
-class Ticks(HostClock):
-    """A clock whose stamps count: what the fence stamps, in order."""
-
-    def __init__(self) -> None:
-        self.ticks = 0
-
-    def now(self) -> int:  # type: ignore[override]
-        self.ticks += 1
-        return self.ticks
-
-    def done(self, future: Future) -> list[float]:
-        return ["done"]  # type: ignore[list-item]
-
-
 class Taking:
     """A consumer that records the buckets it is handed."""
 
@@ -114,7 +101,7 @@ def test_while_measuring_the_fence_stamps_each_launchs_bytes_and_each_hand_over(
     pipeline._shared.reduction.start = lambda bucket: _resolved(bucket.buffer())
     pipeline.launch(filled=False)
     (launch,) = fence.stamps.launches
-    assert (launch.bucket, launch.nbytes, launch.launched, launch.done) == (4, 40, 2, ["done"])
+    assert (launch.bucket, launch.nbytes, launch.launched, launch.done) == (4, 40, 2, DONE)
     pipeline.write_back([True, True], [Taking()])
     assert fence.stamps.completed == {4: 3} and fence.stamps.consumed == {4: 4}
 
